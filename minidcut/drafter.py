@@ -1,0 +1,93 @@
+"""The DFlash block drafter (PAPER.md section 2).
+
+One forward fills a whole block: slot 0 holds the anchor (the last committed token), slots 1..D hold
+mask_token_id, and each slot's argmax is a draft token. The drafter has no embedding and no lm_head: it
+borrows the target's. Its context is the target's hidden states at the tapped layers, fused by
+fc + hidden_norm and projected by every draft layer's own k_proj / v_proj into a context-only KV cache.
+Queries come from the block only; attention is bidirectional over [context ; block].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ConfigError, DrafterConfig, ModelConfig
+from .layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from .model import KVCache, Layout
+
+
+def check_pair(cfg: DrafterConfig, target: ModelConfig, where: str) -> None:
+    """A drafter that cannot run on this target is a clear error, not a shape error deep in torch."""
+    if cfg.layers.hidden_size != target.hidden_size:
+        raise ConfigError(f"{where}: drafter hidden_size {cfg.layers.hidden_size} != target "
+                          f"hidden_size {target.hidden_size}")
+    if cfg.num_target_layers not in (-1, target.num_layers):
+        raise ConfigError(f"{where}: drafter was made for a {cfg.num_target_layers}-layer target, "
+                          f"this target has {target.num_layers} layers")
+    if any(not 0 <= t < target.num_layers for t in cfg.target_layer_ids):
+        raise ConfigError(f"{where}: target_layer_ids {cfg.target_layer_ids} do not fit a "
+                          f"{target.num_layers}-layer target")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ConfigError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the target "
+                          f"vocabulary ({target.vocab_size})")
+    if cfg.layers.vocab_size != target.vocab_size:
+        raise ConfigError(f"{where}: drafter vocab_size {cfg.layers.vocab_size} != target "
+                          f"vocab_size {target.vocab_size}")
+    if cfg.block_size < 2:
+        raise ConfigError(f"{where}: block_size must be >= 2, got {cfg.block_size}")
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        c = cfg.layers
+        self.block_size = cfg.block_size
+        self.taps = tuple(cfg.target_layer_ids)
+        self.fc = nn.Linear(len(self.taps) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                             persistent=False)
+        self.caches = nn.ModuleList()
+
+    def setup_cache(self, rows: int, max_seq: int) -> None:
+        """Context K/V per draft layer: [rows, kv_heads, max_seq, head_dim]."""
+        c, w = self.cfg.layers, self.fc.weight
+        self.caches = nn.ModuleList(KVCache(rows, c.num_kv_heads, max_seq, c.head_dim, w.dtype, w.device)
+                                    for _ in range(c.num_layers))
+
+    def add_context(self, taps: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write the context K/V of committed tokens. taps [T, n_taps * H]; row, pos [T].
+        Tokens that later turn out rejected leave entries past the committed length: never read
+        (the draft mask stops at the anchor) and overwritten when that position is committed."""
+        feats = self.hidden_norm(self.fc(taps))  # [T, H]
+        cos, sin = rope_cos_sin(self.inv_freq, pos, feats.dtype)
+        for layer, cache in zip(self.layers, self.caches):
+            k, v = layer.self_attn.project_kv(feats, cos, sin)  # [T, n_kv, Dh]
+            cache.k[row, :, pos] = k
+            cache.v[row, :, pos] = v
+
+    def forward(self, target: nn.Module, anchor: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+        """Draft one block per row of the cache [0, b). anchor, anchor_pos [b] -> logits [b, D, V].
+
+        The block's own K/V go into the cache at anchor_pos .. anchor_pos + D: positions that the
+        next verification overwrites with real context, so no separate block cache is needed."""
+        b, Bs, S = anchor.shape[0], self.block_size, self.caches[0].k.shape[2]
+        offs = torch.arange(Bs, device=anchor.device)  # [Bs]
+        block = torch.full((b, Bs), self.cfg.mask_token_id, dtype=anchor.dtype, device=anchor.device)
+        block[:, 0] = anchor  # [b, Bs]: anchor, mask, ..., mask
+        pos = (anchor_pos[:, None] + offs).flatten()  # [b*Bs]
+        row = torch.arange(b, device=anchor.device).repeat_interleave(Bs)  # [b*Bs]
+        # Bidirectional: every slot reads the context before the anchor and the whole block.
+        visible = torch.arange(S, device=anchor.device) < (anchor_pos + Bs)[:, None]  # [b, S]
+        layout = Layout(row, pos, torch.arange(b * Bs, device=anchor.device), b, Bs,
+                        visible[:, None, None, :].expand(b, 1, Bs, S))
+        x = target.model.embed_tokens(block.flatten())  # [b*Bs, H]
+        cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype)
+        for layer, cache in zip(self.layers, self.caches):
+            x = layer(x, cos, sin, (cache.k, cache.v), layout)
+        h = self.norm(x).view(b, Bs, -1)[:, 1:]  # [b, D, H]
+        return target.lm_head(h)  # [b, D, V]

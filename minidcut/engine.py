@@ -1,0 +1,293 @@
+"""The engine: continuous batching over B cache rows, one speculative step at a time.
+
+A step (PAPER.md section 3, steps 1-7):
+  draft graph   drafter fills a block per row -> confidences [B, D] -> prefix scores -> keep_len [n_rho, B]
+                and gain [n_rho] for every rho in the grid -> rho* = argmax gain / cost   (one graph per B)
+  host          rho*.item(): the one host sync of the step; it picks the verify graph
+  verify graph  pack anchor + kept prefix of every row into T = B + K(rho*) tokens -> target forward ->
+                accept -> commit accepted drafts + bonus -> write the drafter's context K/V  (one graph
+                per (B, K(rho*)))
+  host          copy the committed tokens [B, block] once, stop finished requests, admit new ones.
+`ar` runs the verify graph with K = 0 (one token per row) and never drafts.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import dcut
+from .model import Transformer, causal_layout, prefill_layout
+from .sampling import accept, sample
+
+COMPILE_CACHE = Path(__file__).resolve().parent.parent / "compile_cache"
+
+
+def use_compile_cache(path: Path = COMPILE_CACHE) -> None:
+    """Keep inductor's compiled kernels and graphs under compile_cache/ so a second run starts fast."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path / "inductor"))
+
+
+@dataclass
+class Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class Stats:
+    """Running counters of a generate() call (PAPER.md section 5 names)."""
+
+    policy: str = ""
+    batch_size: int = 0
+    requests: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    request_steps: int = 0  # live requests summed over target forwards
+    committed: int = 0  # tokens committed by decode steps (bonus included)
+    drafted: int = 0  # draft positions of live requests, over drafting steps
+    kept: int = 0  # drafts sent to verification
+    predicted: float = 0.0  # sum over drafting steps of the chosen rho's expected accepted drafts
+    realized: int = 0  # accepted drafts over the same steps
+    rho_hist: collections.Counter = field(default_factory=collections.Counter)
+    seconds: collections.Counter = field(default_factory=collections.Counter)  # draft/verify/bookkeeping/prefill
+
+    @property
+    def decode_seconds(self) -> float:
+        return sum(v for k, v in self.seconds.items() if k != "prefill")
+
+    @property
+    def tau(self) -> float:
+        return self.committed / max(self.request_steps, 1)
+
+    @property
+    def keep_ratio(self) -> float:
+        return self.kept / max(self.drafted, 1)
+
+    def as_dict(self) -> dict:
+        total = self.decode_seconds + self.seconds["prefill"]
+        return {"policy": self.policy, "batch_size": self.batch_size, "requests": self.requests,
+                "generated_tokens": self.generated_tokens, "decode_seconds": self.decode_seconds,
+                "tokens_per_second": self.generated_tokens / total if total else 0.0,
+                "tau": self.tau, "keep_ratio": self.keep_ratio, "steps": self.steps,
+                "rho_histogram": {str(k): v for k, v in sorted(self.rho_hist.items())},
+                "seconds": dict(self.seconds)}
+
+
+class Engine:
+    """Batched generation with one target, an optional DFlash drafter and a policy (policy.py)."""
+
+    def __init__(self, target: Transformer, drafter=None, policy=None, batch_size: int = 8,
+                 max_seq: int = 512, temperature: float = 0.0, top_p: float = 1.0,
+                 eos_ids=None, compile: bool = True):
+        from .policy import Policy
+        self.target, self.drafter = target, drafter
+        self.policy = policy or Policy.ar()
+        if self.policy.needs_drafter and drafter is None:
+            raise ValueError(f"policy {self.policy.name!r} needs a drafter")
+        self.B, self.temperature, self.top_p = batch_size, temperature, top_p
+        self.eos = set(target.cfg.eos_token_ids if eos_ids is None else eos_ids)
+        self.block = drafter.block_size if drafter is not None else 1
+        self.D = self.block - 1
+        self.max_seq = max_seq
+        self.Ks = [dcut.budget(r, batch_size, self.D) for r in self.policy.rhos] if drafter else [0]
+        self.device = target.lm_head.weight.device
+        target.setup_cache(batch_size, max_seq)
+        if drafter is not None:
+            drafter.setup_cache(batch_size, max_seq)
+        self.taps = drafter.taps if drafter is not None else ()
+        self.compile = compile
+        self.graphs: dict[tuple, callable] = {}
+        if compile:
+            use_compile_cache()
+            # One graph per (B, K): more cache entries than dynamo's default of 8 per function, and
+            # never a silent fall back to eager when they run out.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+    # ---- compiled step functions -------------------------------------------------------------
+
+    def graph(self, kind: str, K: int = 0):
+        """The callable for a draft graph (kind 'draft') or a verify graph with K kept drafts."""
+        key = (kind, self.B, K)
+        if key not in self.graphs:
+            fn = self._draft if kind == "draft" else functools.partial(self._verify, K=K)
+            if self.compile:
+                fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            self.graphs[key] = fn
+        return self.graphs[key]
+
+    def _draft(self, anchor, anchor_pos, limit, cost, n_live, scale):
+        """Draft one block per row and run the D-cut selector for every rho of the policy's grid.
+        anchor, anchor_pos, limit [B]; cost [n_rho]; n_live, scale [] (calibration of the gain) ->
+        drafts [B, D], keep_len [n_rho, B], rho index [], expected accepted drafts [n_rho]."""
+        logits = self.drafter(self.target, anchor, anchor_pos).float()  # [B, D, V]
+        top, drafts = logits.max(dim=-1)  # [B, D]: the greedy drafts
+        conf = torch.exp(top - torch.logsumexp(logits, dim=-1))  # [B, D] softmax prob of each draft
+        log_s = dcut.prefix_scores(conf, limit)  # [B, D]
+        keep_len = dcut.keep_lens(log_s, self.Ks)  # [n_rho, B]
+        gain = dcut.gains(log_s, self.Ks, None)  # [n_rho] expected accepted drafts, uncalibrated
+        total = scale * gain + (n_live if self.policy.count_anchors else 0)
+        return drafts, keep_len, dcut.choose_rho(total, cost), gain
+
+    def _verify(self, anchor, anchor_pos, drafts, keep_len, K: int):
+        """Pack, verify, accept (PAPER.md section 3 step 6-7 and section 4).
+        anchor, anchor_pos [B]; drafts [B, D]; keep_len [B] with sum K ->
+        commit [B, block] (accepted drafts then the bonus), n_commit [B], new anchor, new anchor_pos."""
+        B, dev = anchor.shape[0], anchor.device
+        Q = min(self.block, K + 1)  # the longest row: anchor + at most min(D, K) drafts
+        T = B + K
+        if K == 0:  # an AR step: one token per row
+            src = torch.arange(B, device=dev)  # [T]
+            tokens = anchor
+        else:
+            grid = torch.cat([anchor[:, None], drafts[:, : Q - 1]], dim=1)  # [B, Q]
+            valid = torch.arange(Q, device=dev) <= keep_len[:, None]  # [B, Q]: anchor + kept prefix
+            # Dense packing: cell (i, j) goes to packed index (#valid cells before it); the others
+            # go to a dump slot T that is cut off. Exactly T cells are valid since sum(keep_len) = K.
+            dest = torch.where(valid.flatten(), valid.flatten().cumsum(0) - 1, T)  # [B*Q]
+            src = torch.zeros(T + 1, dtype=torch.long, device=dev).scatter_(
+                0, dest, torch.arange(B * Q, device=dev))[:T]  # [T] grid cell of each packed token
+            tokens = grid.flatten()[src]  # [T]
+        row, col = src // Q, src % Q
+        pos = anchor_pos[row] + col  # [T]
+        layout = causal_layout(row, pos, col, B, Q, self.max_seq)
+        logits, taps = self.target(tokens, layout, taps=self.taps)  # [T, V], [T, n_taps*H]
+        choice = sample(logits, self.temperature, self.top_p)  # [T] the target's token after each
+        choice_grid = torch.full((B * Q,), -1, dtype=torch.long, device=dev).index_copy(0, src, choice)
+        choice_grid = choice_grid.view(B, Q)  # [B, Q]; -1 (never a token) where nothing was verified
+        commit = torch.zeros(B, self.block, dtype=torch.long, device=dev)
+        if K == 0:
+            accepted = torch.zeros(B, dtype=torch.long, device=dev)
+        else:
+            accepted = accept(drafts[:, : Q - 1], keep_len, choice_grid)  # [B]
+            commit[:, : Q - 1] = drafts[:, : Q - 1]
+        bonus = choice_grid.gather(1, accepted[:, None])  # [B, 1]
+        commit.scatter_(1, accepted[:, None], bonus)
+        if self.drafter is not None:
+            self.drafter.add_context(taps, row, pos)
+        return commit, accepted + 1, bonus[:, 0], anchor_pos + accepted + 1
+
+    # ---- host side ---------------------------------------------------------------------------
+
+    def _prefill(self, slots: list[int], reqs: list[Request]) -> torch.Tensor:
+        """Run the prompts of `reqs` into cache rows `slots` (eager, one padded batch); returns the
+        first generated token of each [n]."""
+        layout, last = prefill_layout(slots, [len(r.prompt) for r in reqs], self.device)
+        tokens = torch.tensor([t for r in reqs for t in r.prompt], device=self.device)
+        logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.taps)
+        if self.drafter is not None:
+            self.drafter.add_context(taps, layout.row, layout.pos)
+        return sample(logits, self.temperature, self.top_p)
+
+    def _emit(self, req: Request, tokens) -> None:
+        """Append tokens to a request until EOS or max_new_tokens (a block can end mid-way: trim)."""
+        for t in tokens:
+            req.output.append(int(t))
+            if int(t) in self.eos or len(req.output) >= req.max_new_tokens:
+                req.done = True
+                return
+
+    def validate(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        V = self.target.cfg.vocab_size
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if any(not 0 <= t < V for t in p):
+                raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {V})")
+            if len(p) + max_new_tokens + self.block > self.max_seq:
+                raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {max_new_tokens} new tokens "
+                                 f"(+ {self.block} block) exceed the context of {self.max_seq}")
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, on_step=None):
+        """Generate for every prompt with at most B at a time; returns (outputs in input order, Stats).
+        on_step(stats, current_rho) is called after every step (for a live view)."""
+        self.validate(prompts, max_new_tokens)
+        reqs = [Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
+        pending = collections.deque(reqs)
+        stats = Stats(policy=self.policy.label, batch_size=self.B, requests=len(reqs))
+        slots: list[Request | None] = [None] * self.B
+        dev, B = self.device, self.B
+        anchor = torch.zeros(B, dtype=torch.long, device=dev)
+        anchor_pos = torch.zeros(B, dtype=torch.long, device=dev)
+        self.policy.reset()
+        while pending or any(slots):
+            t0 = time.perf_counter()
+            free = [i for i in range(B) if slots[i] is None][: len(pending)]
+            if free:  # continuous batching: admit waiting requests into free rows
+                new = [pending.popleft() for _ in free]
+                first = self._prefill(free, new).tolist()
+                for i, r, tok in zip(free, new, first):
+                    self._emit(r, [tok])
+                    stats.generated_tokens += 1
+                    slots[i] = None if r.done else r
+                idx = torch.tensor(free, device=dev)
+                anchor[idx] = torch.tensor(first, device=dev)
+                anchor_pos[idx] = torch.tensor([len(r.prompt) for r in new], device=dev)
+                stats.seconds["prefill"] += time.perf_counter() - t0
+                if not any(slots):
+                    continue
+            live = [s is not None for s in slots]
+            n_live = sum(live)
+            # Drafts a request can still use: its remaining tokens minus the bonus; 0 for empty rows.
+            limit = [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in slots]
+            t0 = time.perf_counter()
+            K, rho = 0, 0.0
+            if self.drafter is not None and self.policy.draft_now():
+                drafts, keep_lens, rho_idx, gain = self.graph("draft")(
+                    anchor, anchor_pos, torch.tensor(limit, device=dev), self.policy.cost_vector(B, dev),
+                    torch.tensor(float(n_live), device=dev), torch.tensor(self.policy.gain_scale, device=dev))
+                ri = int(rho_idx.item())  # the one host sync: it picks the verify graph
+                K, rho, keep_len = self.Ks[ri], self.policy.rhos[ri], keep_lens[ri]
+                t1 = time.perf_counter()
+                stats.seconds["draft"] += t1 - t0
+                t0 = t1
+            else:
+                drafts = keep_len = None
+            commit, n_commit, anchor, anchor_pos = self.graph("verify", K)(anchor, anchor_pos, drafts, keep_len)
+            kept = keep_len if K else torch.zeros_like(n_commit)
+            host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1).cpu()  # [B, block + 2]
+            anchor, anchor_pos = anchor.clone(), anchor_pos.clone()  # outlive the graph's output buffers
+            t1 = time.perf_counter()
+            stats.seconds["verify"] += t1 - t0
+            # Bookkeeping: commit tokens, finish requests.
+            accepted_live = 0
+            for i, r in enumerate(slots):
+                if r is None:
+                    continue
+                n = int(host[i, -2])
+                stats.kept += int(host[i, -1])
+                accepted_live += n - 1
+                before = len(r.output)
+                self._emit(r, host[i, :n].tolist())
+                stats.generated_tokens += len(r.output) - before
+                if r.done:
+                    slots[i] = None
+            stats.steps += 1
+            stats.request_steps += n_live
+            stats.committed += accepted_live + n_live
+            stats.rho_hist[rho] += 1
+            if drafts is not None:
+                stats.drafted += n_live * self.D
+                predicted = float(gain[ri])
+                stats.predicted += predicted * self.policy.gain_scale
+                stats.realized += accepted_live
+                self.policy.observe(predicted, accepted_live, K)
+            else:
+                self.policy.observe(None, 0, 0)
+            stats.seconds["bookkeeping"] += time.perf_counter() - t1
+            if on_step is not None:
+                on_step(stats, rho)
+        return [r.output for r in reqs], stats

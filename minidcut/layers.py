@@ -1,0 +1,215 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention over a static
+KV cache, SwiGLU MLP and the MoE block.
+
+Token layout. A forward takes a PACKED batch of T tokens (rows with different token counts, no padding
+in the linear layers). Attention alone works on a padded grid [n, Q]: token t sits at grid cell
+slot[t] = i * Q + j. Decoding uses Q = 1 (one token per row), verification Q = block_size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, cast back, then scale: the order transformers uses (bit-exact parity).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with linear or Llama-3 scaling applied."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    # llama3: long wavelengths scaled down by `factor`, short ones kept, a smooth ramp between.
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [*pos.shape, head_dim] for absolute positions `pos` (fp32 math, then cast)."""
+    freqs = pos.float()[..., None] * inv_freq  # [..., Dh/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., Dh]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the layout HF stores q/k weights in). x [..., heads, Dh], cos [..., Dh]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
+
+
+def to_grid(x: torch.Tensor, slot: torch.Tensor, n: int, Q: int) -> torch.Tensor:
+    """Packed [T, heads, Dh] -> padded grid [n, heads, Q, Dh]; empty cells are zero."""
+    grid = x.new_zeros(n * Q, *x.shape[1:]).index_copy(0, slot, x)  # [n*Q, heads, Dh]
+    return grid.view(n, Q, *x.shape[1:]).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """GQA attention. K/V of every token are written into the static cache at (row, pos) before
+    attending, so verification needs no rollback: entries past a row's committed length are masked
+    by position and overwritten later."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, Dh = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, Dh
+        self.q_proj = nn.Linear(H, cfg.num_heads * Dh, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, cfg.num_kv_heads * Dh, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, cfg.num_kv_heads * Dh, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * Dh, H, bias=False)
+        self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, H] -> k, v [T, n_kv, Dh] (k normed and rotated, as stored in the cache)."""
+        k = self.k_proj(x).view(-1, self.n_kv, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), self.v_proj(x).view(-1, self.n_kv, self.head_dim)
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(-1, self.n_heads, self.head_dim)  # [T, Hq, Dh]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def forward(self, x, cos, sin, cache, layout):
+        """x [T, H] -> [T, H]. `cache` is (k_cache, v_cache) [R, n_kv, S, Dh] or None;
+        `layout` is the Layout of this forward (grid shape, slots, positions, mask)."""
+        q = self.project_q(x, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        qg = to_grid(q, layout.slot, layout.n, layout.Q)  # [n, Hq, Q, Dh]
+        if layout.prefill:
+            # Prompts start at position 0 in fresh rows: attend causally among the prompt's own tokens.
+            kg, vg = to_grid(k, layout.slot, layout.n, layout.Q), to_grid(v, layout.slot, layout.n, layout.Q)
+            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+        else:
+            kg, vg = None, None
+        if cache is not None:
+            k_cache, v_cache = cache
+            k_cache[layout.row, :, layout.pos] = k
+            v_cache[layout.row, :, layout.pos] = v
+            if not layout.prefill:
+                kg, vg = k_cache[: layout.n], v_cache[: layout.n]  # [n, n_kv, S, Dh], a view
+        if not layout.prefill:
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=layout.mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(layout.n * layout.Q, -1)[layout.slot]  # [T, Hq*Dh]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@torch.library.custom_op("minidcut::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows x[offs[e-1]:offs[e]] times w[e] for each expert e. x [M, K], w [E, K, N] -> [M, N].
+
+    One opaque op, so the MoE block stays a single static graph. bf16 uses torch's grouped GEMM
+    (one kernel, no host sync: CUDA-graph safe); other dtypes loop over experts on the host."""
+    if x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, w, offs=offs)
+    out = x.new_empty(x.shape[0], w.shape[2])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+class Experts(nn.Module):
+    """Expert weights, fused as transformers 5 stores them: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, E: int, H: int, I: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+
+class MoE(nn.Module):
+    """Sparse MoE: fp32 router softmax over all experts, top-k, optional renormalisation, then each
+    routed (token, expert) pair computed once: cost is T*k expert rows, never T*E."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(H, E, bias=False)  # the router
+        self.experts = Experts(E, H, I)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, E = self.top_k, self.experts.gate_up_proj.shape[0]
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weight, expert = torch.topk(probs, k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weight = weight / weight.sum(-1, keepdim=True)
+        weight = weight.to(x.dtype)
+        # Sort the T*k (token, expert) pairs by expert so each expert sees one contiguous group.
+        flat = expert.flatten()  # [T*k]
+        order = torch.argsort(flat, stable=True)  # [T*k]
+        token = order // k  # [T*k] source token of each sorted pair
+        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] group ends
+        xs = x[token]  # [T*k, H]
+        gate, up = grouped_mm(xs, self.experts.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
+        ys = grouped_mm(F.silu(gate) * up, self.experts.down_proj.transpose(1, 2), offs)  # [T*k, H]
+        ys = ys * weight.flatten()[order, None]
+        out = torch.zeros_like(x).index_add_(0, token, ys)  # [T, H]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, cache, layout):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layout)
+        return x + self.mlp(self.post_attention_layernorm(x))

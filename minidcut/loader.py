@@ -1,0 +1,132 @@
+"""safetensors -> modules. The model is built on the meta device and the checkpoint tensors are
+assigned into it, so a checkpoint is never held twice in memory.
+
+Handles a single `model.safetensors` or shards listed in `model.safetensors.index.json`, tied
+embeddings, and both MoE expert layouts (per-expert `experts.E.{gate,up,down}_proj.weight`, or fused
+`experts.gate_up_proj` / `experts.down_proj` in either orientation).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from .config import ConfigError, load_drafter_config, load_model_config, model_dir, read_json
+from .drafter import DFlashDrafter, check_pair
+from .layers import rope_inv_freq
+from .model import Transformer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not fit the model; the message names the tensor."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def read_safetensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of a model directory (single file or sharded), by key."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(read_json(index)["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for name in files:
+        try:
+            with safe_open(str(path / name), framework="pt", device=device) as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {path / name}: {e}") from None
+    return tensors
+
+
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert keys -> fused [E, 2I, H] gate_up_proj and [E, H, I] down_proj (gate rows first)."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for key, t in tensors.items():
+        m = _PER_EXPERT.match(key)
+        if m:
+            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
+        else:
+            out[key] = t
+    for prefix, parts in groups.items():
+        n = len(parts.get("down_proj", {}))
+        if any(sorted(parts.get(p, {})) != list(range(n)) for p in ("gate_proj", "up_proj", "down_proj")):
+            raise CheckpointError(f"{prefix}: per-expert tensors are incomplete")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts["gate_proj"][e], parts["up_proj"][e]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
+    return out
+
+
+def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device,
+              where: str, tied: tuple[str, str] | None = None) -> None:
+    """Assign `tensors` to the meta-device `model`'s parameters, checking names and shapes.
+    `tied` = (lm_head key, embedding key) fills the head from the embedding when it is absent."""
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if tied and tied[0] in expected and tied[0] not in tensors and tied[1] in tensors:
+        tensors[tied[0]] = tensors[tied[1]]
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor {missing[0]} (expected shape "
+                              f"{list(expected[missing[0]])})" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]} (shape {list(tensors[unexpected[0]].shape)})"
+                              + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
+    state = {}
+    for key, shape in expected.items():
+        t = tensors[key]
+        if t.shape != shape and t.dim() == 3 and t.shape == (shape[0], shape[2], shape[1]):
+            t = t.transpose(1, 2)  # fused experts stored [E, in, out] instead of [E, out, in]
+        if t.shape != shape:
+            raise CheckpointError(f"{where}: tensor {key} has shape {list(t.shape)}, "
+                                  f"the config implies {list(shape)}")
+        state[key] = t.to(device=device, dtype=dtype).contiguous()
+    model.load_state_dict(state, assign=True)
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
+    """A target model directory -> Transformer in eval mode, weights in `dtype` on `device`."""
+    p = model_dir(path)
+    cfg = load_model_config(p)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    load_into(model, fuse_experts(read_safetensors(p)), dtype, device, str(p),
+              tied=("lm_head.weight", "model.embed_tokens.weight") if cfg.tie_word_embeddings else None)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_drafter(path: str | Path, target: Transformer, dtype: torch.dtype = torch.float32,
+                 device="cpu") -> DFlashDrafter:
+    """A DFlash drafter directory (z-lab layout) -> DFlashDrafter, checked against its target."""
+    p = model_dir(path)
+    cfg = load_drafter_config(p)
+    check_pair(cfg, target.cfg, str(p))
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    load_into(drafter, read_safetensors(p), dtype, device, str(p))
+    drafter.inv_freq = rope_inv_freq(cfg.layers.head_dim, cfg.layers.rope_theta,
+                                     cfg.layers.rope_scaling).to(device)
+    return drafter.eval().requires_grad_(False)

@@ -1,0 +1,97 @@
+"""Verification policies: which rho grid a step may use, and (for dcut) how rho* is chosen.
+
+  ar       no drafter, one token per step
+  full     rho = 1: verify every drafted position (the DFlash baseline, fixed depth D)
+  static   one fixed rho: global top-K with K = round(rho * B * D)
+  dcut     rho* = argmax gain(rho) / cost(B, rho) per step, from a measured cost table (PAPER.md s.3),
+           plus two additions, each can be switched off:
+           - skip drafting: when the last `patience` drafting steps all chose rho = 0 (no budget beats
+             an AR step), stop drafting (it costs time at high B) and re-probe every `probe_every` steps;
+           - calibration: the drafter's confidences are not probabilities of acceptance; a running
+             ratio realized / predicted accepted drafts rescales the gain before rho* is chosen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cost_model import CostTable
+
+DEFAULT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+class Policy:
+    def __init__(self, name: str, rhos, table: CostTable | None = None, count_anchors: bool = True,
+                 calibrate: bool = True, skip_drafting: bool = True, patience: int = 4, probe_every: int = 16):
+        if name not in ("ar", "full", "static", "dcut"):
+            raise ValueError(f"unknown policy {name!r} (choose from ar, full, static, dcut)")
+        rhos = sorted(float(r) for r in rhos)
+        if any(not 0.0 <= r <= 1.0 for r in rhos):
+            raise ValueError(f"rho must be in [0, 1], got {rhos}")
+        if name == "dcut" and table is None:
+            raise ValueError("the dcut policy needs a cost table")
+        self.name, self.rhos, self.table = name, rhos, table
+        self.count_anchors = count_anchors
+        self.calibrate, self.skip_drafting = calibrate, skip_drafting and name == "dcut" and 0.0 in rhos
+        self.patience, self.probe_every = patience, probe_every
+        self.reset()
+
+    @classmethod
+    def ar(cls):
+        return cls("ar", [0.0])
+
+    @classmethod
+    def full(cls):
+        return cls("full", [1.0])
+
+    @classmethod
+    def static(cls, rho: float):
+        return cls("static", [rho])
+
+    @classmethod
+    def dcut(cls, table: CostTable, rhos=DEFAULT_GRID, **kw):
+        return cls("dcut", rhos, table, **kw)
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self.name != "ar"
+
+    @property
+    def label(self) -> str:
+        return f"static:{self.rhos[0]:g}" if self.name == "static" else self.name
+
+    def reset(self) -> None:
+        self.gain_scale = 1.0  # calibration: realized / predicted accepted drafts (running)
+        self._pred = self._real = 0.0
+        self._ar_streak = 0  # consecutive drafting steps that chose rho = 0
+        self._skipped = -1  # steps since drafting was switched off; -1 while drafting is on
+
+    def cost_vector(self, B: int, device) -> torch.Tensor:
+        """cost(B, rho) for the grid [n_rho]; flat for fixed policies (a single rho: nothing to choose)."""
+        costs = self.table.costs(B, self.rhos) if self.table else [1.0] * len(self.rhos)
+        return torch.tensor(costs, dtype=torch.float32, device=device)
+
+    def draft_now(self) -> bool:
+        """False while drafting is switched off; every probe_every steps one probe drafts again."""
+        if self._skipped < 0:
+            return True
+        self._skipped += 1
+        return self._skipped % self.probe_every == 0
+
+    def observe(self, predicted: float | None, realized: int, K: int) -> None:
+        """After a step: predicted (uncalibrated expected accepted drafts of the chosen rho, None if the
+        step did not draft), realized accepted drafts, and the chosen budget K."""
+        if predicted is None:
+            return
+        if self.calibrate and K > 0:
+            decay = 0.95  # ~20-step memory: follows shifts in acceptance, smooths single steps
+            self._pred = decay * self._pred + predicted
+            self._real = decay * self._real + realized
+            if self._pred > 1.0:
+                self.gain_scale = min(max(self._real / self._pred, 0.05), 20.0)
+        if self.skip_drafting:
+            self._ar_streak = self._ar_streak + 1 if K == 0 else 0
+            if K > 0:
+                self._skipped = -1
+            elif self._ar_streak >= self.patience or self._skipped >= 0:
+                self._skipped = 0  # switch drafting off (or keep it off after a failed probe)

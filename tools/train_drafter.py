@@ -1,0 +1,250 @@
+"""Train a DFlash-architecture block drafter for any target minidcut loads (PAPER.md section 2).
+
+Recipe. The target is frozen; the drafter borrows its embed_tokens and lm_head. Training sequences are
+the target's OWN greedy continuations of corpus windows (self-distillation: at inference the drafter
+continues the target's text, so that is the text it should learn). For every sequence we keep the
+target's tapped hidden states and its greedy next token at every position. Each step draws many random
+anchors per sequence; a block is the anchor plus block_size - 1 mask tokens at the following positions.
+A block's queries see the context features strictly before its anchor and their own block
+(bidirectionally), never another block. Slot k is trained with cross-entropy against the target's greedy
+token at position anchor + k, weighted by exp(-(k - 1) / decay): early slots matter most, since a draft
+is only useful if all before it are accepted.
+
+The output directory has z-lab's key names and config keys, so minidcut loads it like a z-lab drafter.
+
+    python tools/train_drafter.py --target models/llama-stdlib-4m --out models/llama-stdlib-4m-dflash
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import corpus  # noqa: E402
+from minidcut.config import DrafterConfig, default_target_layer_ids, parse_model_config  # noqa: E402
+from minidcut.drafter import DFlashDrafter  # noqa: E402
+from minidcut.engine import Engine  # noqa: E402
+from minidcut.layers import rope_cos_sin  # noqa: E402
+from minidcut.loader import load_target  # noqa: E402
+from minidcut.model import prefill_layout  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", required=True, help="target model directory (HF layout)")
+    p.add_argument("--out", required=True, help="output drafter directory")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2, help="number of draft layers")
+    p.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: target's)")
+    p.add_argument("--mask-token", default="<|mask|>", help="mask token (a token of the target's tokenizer)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (overrides --mask-token)")
+    p.add_argument("--corpus", default=None, help="text corpus directory (default: the Python stdlib)")
+    p.add_argument("--sequences", type=int, default=1024, help="self-distilled training sequences")
+    p.add_argument("--prompt-len", type=int, default=64, help="corpus tokens before each continuation")
+    p.add_argument("--seq-len", type=int, default=256, help="prompt + greedy continuation length")
+    p.add_argument("--anchors", type=int, default=16, help="random anchors (blocks) per sequence per step")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--decay", type=float, default=7.0, help="slot-weight decay exp(-(k-1)/decay)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def mask_token_id(args, target_dir: Path) -> int:
+    if args.mask_token_id is not None:
+        return args.mask_token_id
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    ids = tok.convert_tokens_to_ids([args.mask_token])
+    if not ids or ids[0] is None or ids[0] == tok.unk_token_id:
+        raise SystemExit(f"error: the target's tokenizer has no token {args.mask_token!r}; pass --mask-token-id")
+    return ids[0]
+
+
+@torch.no_grad()
+def distill(target, prompts: torch.Tensor, gen_len: int, console: Console) -> torch.Tensor:
+    """The target's greedy continuations of `prompts` [N, P] -> sequences [N, P + gen_len]."""
+    B = 64
+    out = []
+    with progress(console) as bar:
+        task = bar.add_task("self-distill", total=len(prompts), info="")
+        for i in range(0, len(prompts), B):
+            chunk = prompts[i:i + B].tolist()
+            engine = Engine(target, batch_size=min(B, len(chunk)), max_seq=prompts.shape[1] + gen_len + 8,
+                            eos_ids=[], compile=False)
+            gens, _ = engine.generate(chunk, gen_len)
+            out += [p + g for p, g in zip(chunk, gens)]
+            bar.advance(task, len(chunk))
+    target.caches = torch.nn.ModuleList()
+    return torch.tensor(out)
+
+
+@torch.no_grad()
+def target_features(target, seqs: torch.Tensor, taps: tuple[int, ...]):
+    """For each sequence: tapped hidden states [N, L, n_taps*H] (bf16) and greedy next tokens [N, L]."""
+    feats, labels = [], []
+    for s in seqs:
+        layout, _ = prefill_layout([0], [len(s)], s.device)
+        logits, tapped = target(s, layout, taps=taps)
+        feats.append(tapped.to(torch.bfloat16))
+        labels.append(logits.argmax(-1))
+    return torch.stack(feats), torch.stack(labels)
+
+
+def block_forward(drafter: DFlashDrafter, target, feats, seqs, anchors):
+    """Training forward of the drafter. feats [N, L, n_taps*H]; seqs [N, L]; anchors [N, A] ->
+    hidden [N, A, Bs, H] of every block slot (slot 0 is the anchor)."""
+    N, L = seqs.shape
+    A, Bs, c = anchors.shape[1], drafter.block_size, drafter.cfg.layers
+    dev = seqs.device
+    ctx = drafter.hidden_norm(drafter.fc(feats.float()))  # [N, L, H]
+    pos_blk = anchors[..., None] + torch.arange(Bs, device=dev)  # [N, A, Bs]
+    tok = torch.full((N, A, Bs), drafter.cfg.mask_token_id, device=dev)
+    tok[..., 0] = seqs.gather(1, anchors)
+    x = target.model.embed_tokens(tok).view(N, A * Bs, -1)  # [N, A*Bs, H]
+    # Visibility [N, A*Bs, L + A*Bs]: context strictly before the block's anchor, and its own block.
+    ctx_vis = torch.arange(L, device=dev) < anchors[..., None]  # [N, A, L]
+    ctx_vis = ctx_vis[:, :, None, :].expand(N, A, Bs, L).reshape(N, A * Bs, L)
+    blk_id = torch.arange(A, device=dev).repeat_interleave(Bs)  # [A*Bs]
+    blk_vis = (blk_id[:, None] == blk_id[None, :]).expand(N, -1, -1)
+    mask = torch.cat([ctx_vis, blk_vis], dim=2)[:, None]  # [N, 1, A*Bs, L + A*Bs]
+    cos_c, sin_c = rope_cos_sin(drafter.inv_freq, torch.arange(L, device=dev), x.dtype)  # [L, Dh]
+    cos_b, sin_b = rope_cos_sin(drafter.inv_freq, pos_blk.view(N, A * Bs), x.dtype)  # [N, A*Bs, Dh]
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.project_q(h.flatten(0, 1), cos_b.flatten(0, 1), sin_b.flatten(0, 1))
+        kb, vb = attn.project_kv(h.flatten(0, 1), cos_b.flatten(0, 1), sin_b.flatten(0, 1))
+        kc, vc = attn.project_kv(ctx.flatten(0, 1), cos_c.repeat(N, 1), sin_c.repeat(N, 1))
+        heads = lambda t, n: t.view(N, n, *t.shape[1:]).transpose(1, 2)  # [N, h, n, Dh]
+        k = torch.cat([heads(kc, L), heads(kb, A * Bs)], dim=2)
+        v = torch.cat([heads(vc, L), heads(vb, A * Bs)], dim=2)
+        o = F.scaled_dot_product_attention(heads(q, A * Bs), k, v, attn_mask=mask, enable_gqa=True)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(N, A * Bs, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x).view(N, A, Bs, -1)
+
+
+def drafter_loss(drafter, target, feats, seqs, labels, args, gen: torch.Generator):
+    """Decay-weighted cross-entropy of slots 1..D against the target's greedy tokens; also returns
+    the top-1 agreement of slot 1."""
+    N, L = seqs.shape
+    Bs = drafter.block_size
+    anchors = torch.randint(1, L - Bs + 1, (N, args.anchors), generator=gen)  # [N, A]
+    hidden = block_forward(drafter, target, feats, seqs, anchors)[:, :, 1:]  # [N, A, D, H]
+    logits = target.lm_head(hidden).float()  # [N, A, D, V]
+    # Slot k predicts the target's greedy token after position anchor + k - 1.
+    idx = anchors[..., None] + torch.arange(Bs - 1)  # [N, A, D]
+    y = labels.gather(1, idx.view(N, -1)).view_as(idx)
+    w = torch.exp(-torch.arange(Bs - 1, dtype=torch.float32) / args.decay)  # [D]
+    ce = F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(y)
+    loss = (ce * w).sum(-1).mean() / w.sum()
+    acc1 = (logits[..., 0, :].argmax(-1) == y[..., 0]).float().mean()
+    return loss, acc1
+
+
+def progress(console):
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    console=console, transient=False)
+
+
+def build_drafter(args, tcfg, mask_id: int) -> DFlashDrafter:
+    taps = default_target_layer_ids(tcfg.num_layers, args.layers)
+    inter = args.intermediate_size or tcfg.intermediate_size or 3 * tcfg.hidden_size
+    layer_cfg = parse_model_config({
+        "model_type": "qwen3", "vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size,
+        "num_hidden_layers": args.layers, "num_attention_heads": tcfg.num_heads,
+        "num_key_value_heads": tcfg.num_kv_heads, "head_dim": tcfg.head_dim, "intermediate_size": inter,
+        "rms_norm_eps": tcfg.rms_norm_eps, "rope_theta": tcfg.rope_theta,
+        "max_position_embeddings": tcfg.max_position_embeddings})
+    cfg = DrafterConfig(layer_cfg, args.block_size, mask_id, taps, tcfg.num_layers)
+    drafter = DFlashDrafter(cfg)
+    for name, p in drafter.named_parameters():
+        if "norm" in name:
+            torch.nn.init.ones_(p)
+        else:
+            torch.nn.init.normal_(p, std=0.02)
+    return drafter
+
+
+def save_drafter(drafter: DFlashDrafter, out: Path, log: dict) -> None:
+    c, d = drafter.cfg.layers, drafter.cfg
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"))
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
+              "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+              "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+              "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size,
+              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "hidden_act": "silu",
+              "max_position_embeddings": c.max_position_embeddings, "attention_bias": False,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "block_size": d.block_size,
+              "num_target_layers": d.num_target_layers,
+              "dflash_config": {"mask_token_id": d.mask_token_id, "target_layer_ids": d.target_layer_ids}}
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    console = Console()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    t_start = time.time()
+    target_dir = Path(args.target)
+    target = load_target(target_dir, torch.float32)
+    mask_id = mask_token_id(args, target_dir)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    windows = corpus.sequences("train", tok, args.prompt_len, args.corpus)  # [S, P]
+    pick = torch.randperm(len(windows), generator=gen)[: args.sequences]
+    console.print(f"self-distilling {len(pick)} sequences of {args.seq_len} tokens from {target_dir}")
+    seqs = distill(target, windows[pick], args.seq_len - args.prompt_len, console)  # [N, L]
+    drafter = build_drafter(args, target.cfg, mask_id)
+    feats, labels = target_features(target, seqs, drafter.taps)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    warm = max(args.steps // 20, 1)
+    ema = None
+    with progress(console) as bar:
+        task = bar.add_task("train drafter", total=args.steps, info="")
+        for step in range(args.steps):
+            lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            idx = torch.randint(0, len(seqs), (args.batch_size,), generator=gen)
+            loss, acc1 = drafter_loss(drafter, target, feats[idx], seqs[idx], labels[idx], args, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+            ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+            bar.update(task, advance=1, info=f"loss {ema:.3f} acc@1 {acc1.item():.2f}")
+    log = {"command": " ".join(["python", "tools/train_drafter.py", *(argv or sys.argv[1:])]),
+           "wall_seconds": round(time.time() - t_start, 1), "final_loss_ema": ema,
+           "parameters": sum(p.numel() for p in drafter.parameters()),
+           "target": str(target_dir), "seed": args.seed}
+    save_drafter(drafter, Path(args.out), log)
+    console.print(f"saved {args.out} ({log['parameters'] / 1e6:.2f}M parameters, {log['wall_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
