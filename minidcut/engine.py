@@ -51,6 +51,7 @@ class Stats:
     batch_size: int = 0
     requests: int = 0
     generated_tokens: int = 0
+    finished: int = 0
     steps: int = 0
     request_steps: int = 0  # live requests summed over target forwards
     committed: int = 0  # tokens committed by decode steps (bonus included)
@@ -232,6 +233,7 @@ class Engine:
                 for i, r, tok in zip(free, new, first):
                     self._emit(r, [tok])
                     stats.generated_tokens += 1
+                    stats.finished += r.done
                     slots[i] = None if r.done else r
                 idx = torch.tensor(free, device=dev)
                 anchor[idx] = torch.tensor(first, device=dev)
@@ -274,6 +276,7 @@ class Engine:
                 self._emit(r, host[i, :n].tolist())
                 stats.generated_tokens += len(r.output) - before
                 if r.done:
+                    stats.finished += 1
                     slots[i] = None
             stats.steps += 1
             stats.request_steps += n_live

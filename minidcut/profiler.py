@@ -1,0 +1,75 @@
+"""Measure complete speculative steps (draft + select + verify + accept) per (batch size, rho):
+the numbers a cost table holds. Used by tools/profile.py, by the engine's quick start-up profile when
+no table exists, and by the benchmark."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from .cost_model import CostTable, device_name
+from .engine import Engine, Request
+from .policy import Policy
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def time_steps(engine: Engine, context_len: int, repeats: int = 5, warmup: int = 2, on_done=None) -> list[list[float]]:
+    """Seconds of one step for every rho of engine.policy.rhos, all B rows live at `context_len`
+    tokens of random context: [n_rho][repeats]. rho = 0 is an AR step (no drafting). Positions do
+    not advance, so every repeat sees the same context length."""
+    B, dev, V = engine.B, engine.device, engine.target.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, V, (B, context_len), generator=gen).tolist()
+    first = engine._prefill(list(range(B)), [Request(i, p, 1) for i, p in enumerate(prompts)])
+    anchor = first.clone()
+    anchor_pos = torch.full((B,), context_len, dtype=torch.long, device=dev)
+    limit = torch.full((B,), engine.D, dtype=torch.long, device=dev)
+    policy = engine.policy
+    args = (policy.cost_vector(B, dev), torch.tensor(float(B), device=dev), torch.tensor(1.0, device=dev))
+    out = []
+    for ri, K in enumerate(engine.Ks):
+        times = []
+        for rep in range(warmup + repeats):
+            _sync(dev)
+            t0 = time.perf_counter()
+            if K == 0:
+                commit = engine.graph("verify", 0)(anchor, anchor_pos, None, None)[0]
+            else:
+                drafts, keep_lens, rho_idx, _ = engine.graph("draft")(anchor, anchor_pos, limit, *args)
+                rho_idx.item()  # the real step's host sync
+                commit = engine.graph("verify", K)(anchor, anchor_pos, drafts, keep_lens[ri])[0]
+            commit.cpu()
+            if rep >= warmup:
+                times.append(time.perf_counter() - t0)
+        out.append(times)
+        if on_done is not None:
+            on_done(policy.rhos[ri])
+    return out
+
+
+def profile(target, drafter, batch_sizes: list[int], rhos: list[float], context_len: int,
+            repeats: int = 5, warmup: int = 2, compile: bool = True, on_done=None, meta=None) -> CostTable:
+    """A cost table measured on this machine: median step seconds for every (batch size, rho)."""
+    rows, spread = [], []
+    max_seq = context_len + drafter.block_size + 8
+    grid_policy = Policy("static", rhos) if len(rhos) > 1 else Policy.static(rhos[0])
+    for B in batch_sizes:
+        engine = Engine(target, drafter, grid_policy, batch_size=B, max_seq=max_seq, compile=compile)
+        times = time_steps(engine, context_len, repeats, warmup,
+                           on_done=(lambda rho, B=B: on_done(B, rho)) if on_done else None)
+        rows.append([statistics.median(t) for t in times])
+        spread.append([(max(t) - min(t)) / statistics.median(t) for t in times])
+    w = target.lm_head.weight
+    info = {"device": device_name(w.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "dtype": str(w.dtype).replace("torch.", ""), "context_len": context_len, "repeats": repeats,
+            "compiled": compile, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "relative_spread": spread, **(meta or {})}
+    return CostTable(list(batch_sizes), list(rhos), rows, info)
