@@ -54,7 +54,9 @@ class DFlashDrafter(nn.Module):
         self.caches = nn.ModuleList()
 
     def setup_cache(self, rows: int, max_seq: int) -> None:
-        """Context K/V per draft layer: [rows, kv_heads, max_seq, head_dim]."""
+        """Context K/V per draft layer: [rows, kv_heads, max_seq, head_dim] (kept if already that shape)."""
+        if len(self.caches) and self.caches[0].k.shape[0] == rows and self.caches[0].k.shape[2] == max_seq:
+            return
         c, w = self.cfg.layers, self.fc.weight
         self.caches = nn.ModuleList(KVCache(rows, c.num_kv_heads, max_seq, c.head_dim, w.dtype, w.device)
                                     for _ in range(c.num_layers))

@@ -34,6 +34,9 @@ def use_compile_cache(path: Path = COMPILE_CACHE) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path / "inductor"))
 
 
+DYNAMIC = os.environ.get("MINIDCUT_DYNAMIC", "0") == "1"
+
+
 @dataclass
 class Request:
     index: int
@@ -57,8 +60,10 @@ class Stats:
     committed: int = 0  # tokens committed by decode steps (bonus included)
     drafted: int = 0  # draft positions of live requests, over drafting steps
     kept: int = 0  # drafts sent to verification
-    predicted: float = 0.0  # sum over drafting steps of the chosen rho's expected accepted drafts
+    predicted_raw: float = 0.0  # sum over drafting steps of the chosen rho's expected accepted drafts
+    predicted: float = 0.0  # the same after calibration (what the policy decided on)
     realized: int = 0  # accepted drafts over the same steps
+    drafting_request_steps: int = 0  # live requests summed over drafting steps
     rho_hist: collections.Counter = field(default_factory=collections.Counter)
     seconds: collections.Counter = field(default_factory=collections.Counter)  # draft/verify/bookkeeping/prefill
 
@@ -80,7 +85,9 @@ class Stats:
                 "generated_tokens": self.generated_tokens, "decode_seconds": self.decode_seconds,
                 "tokens_per_second": self.generated_tokens / total if total else 0.0,
                 "tau": self.tau, "keep_ratio": self.keep_ratio, "steps": self.steps,
-                "rho_histogram": {str(k): v for k, v in sorted(self.rho_hist.items())},
+                "rho_histogram": {f"{k:g}": v for k, v in sorted(self.rho_hist.items())},
+                "predicted_accepted_raw": self.predicted_raw, "predicted_accepted": self.predicted,
+                "realized_accepted": self.realized, "drafting_request_steps": self.drafting_request_steps,
                 "seconds": dict(self.seconds)}
 
 
@@ -123,7 +130,7 @@ class Engine:
         if key not in self.graphs:
             fn = self._draft if kind == "draft" else functools.partial(self._verify, K=K)
             if self.compile:
-                fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+                fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=DYNAMIC)
             self.graphs[key] = fn
         return self.graphs[key]
 
@@ -176,7 +183,10 @@ class Engine:
         commit.scatter_(1, accepted[:, None], bonus)
         if self.drafter is not None:
             self.drafter.add_context(taps, row, pos)
-        return commit, accepted + 1, bonus[:, 0], anchor_pos + accepted + 1
+        # Empty rows keep stepping too; the clamp keeps their positions inside the cache (a live
+        # row never reaches it: generate() checks prompt + max_new_tokens + block <= max_seq).
+        new_pos = (anchor_pos + accepted + 1).clamp(max=self.max_seq - self.block - 1)
+        return commit, accepted + 1, bonus[:, 0], new_pos
 
     # ---- host side ---------------------------------------------------------------------------
 
@@ -285,8 +295,10 @@ class Engine:
             if drafts is not None:
                 stats.drafted += n_live * self.D
                 predicted = float(gain[ri])
+                stats.predicted_raw += predicted
                 stats.predicted += predicted * self.policy.gain_scale
                 stats.realized += accepted_live
+                stats.drafting_request_steps += n_live
                 self.policy.observe(predicted, accepted_live, K)
             else:
                 self.policy.observe(None, 0, 0)

@@ -92,6 +92,10 @@ class Transformer(nn.Module):
         return self.caches[0].k.shape[2] if len(self.caches) else 0
 
     def setup_cache(self, rows: int, max_seq: int) -> None:
+        """Allocate the static KV cache, or keep the current one if it has this shape: engines that
+        share a target then share the cache tensors, and so the compiled graphs that read them."""
+        if len(self.caches) and self.caches[0].k.shape[0] == rows and self.max_seq == max_seq:
+            return
         c, w = self.cfg, self.lm_head.weight
         self.caches = nn.ModuleList(KVCache(rows, c.num_kv_heads, max_seq, c.head_dim, w.dtype, w.device)
                                     for _ in range(c.num_layers))
@@ -102,13 +106,12 @@ class Transformer(nn.Module):
         taps [T, len(taps) * H]: outputs of the tapped layers, concatenated; None if no taps)."""
         x = self.model.embed_tokens(tokens)  # [T, H]
         cos, sin = rope_cos_sin(self.inv_freq, layout.pos, x.dtype)  # [T, Dh]
-        tapped = {}
+        outs = []  # every layer's output, for the taps
         for i, layer in enumerate(self.model.layers):
             cache = (self.caches[i].k, self.caches[i].v) if len(self.caches) else None
             x = layer(x, cos, sin, cache, layout)
-            if i in taps:
-                tapped[i] = x
+            outs.append(x)
         if logits_idx is not None:
             x = x[logits_idx]  # [N, H]
         logits = self.lm_head(self.model.norm(x))  # [N, V]
-        return logits, (torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
+        return logits, (torch.cat([outs[i] for i in taps], dim=-1) if taps else None)

@@ -34,6 +34,7 @@ class Policy:
         self.count_anchors = count_anchors
         self.calibrate, self.skip_drafting = calibrate, skip_drafting and name == "dcut" and 0.0 in rhos
         self.patience, self.probe_every = patience, probe_every
+        self.label_override: str | None = None  # e.g. "dcut:paper" in the benchmark
         self.reset()
 
     @classmethod
@@ -58,6 +59,8 @@ class Policy:
 
     @property
     def label(self) -> str:
+        if self.label_override:
+            return self.label_override
         return f"static:{self.rhos[0]:g}" if self.name == "static" else self.name
 
     def reset(self) -> None:

@@ -1,0 +1,262 @@
+"""python -m minidcut.bench: every policy side by side, per batch size, in one process.
+
+For each batch size the policies run over the same prompts, interleaved (policy A, B, ... then again),
+warm: a first untimed pass compiles (its time is reported separately). Reported per (B, policy):
+tokens/s, speedup over AR, tau, keep ratio, rho histogram, step-time split, and for dcut the predicted
+vs realized accepted drafts before and after calibration. Also the best fixed policy per batch size
+(the oracle in hindsight) and the selector's own cost. Writes JSON and a PNG plot.
+
+Policies: ar, full, static:R, dcut (default: committed-token gain, calibration, skip drafting),
+dcut:accepted (the paper's gain: anchors left out), dcut:paper (accepted gain, no calibration, no
+skipping: the paper's plain variant), dcut:nocal, dcut:noskip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from . import dcut
+from .api import load_pair, load_tokenizer
+from .config import ConfigError
+from .cost_model import CostTable, CostTableError, table_path
+from .engine import Engine
+from .generate import DEFAULT_DRAFTER, DEFAULT_TARGET, MODELS, UserError
+from .loader import CheckpointError
+from .policy import DEFAULT_GRID, Policy
+from .profiler import profile
+
+DEFAULT_PROMPTS = MODELS / "prompts_heldout.jsonl"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m minidcut.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default=str(DEFAULT_TARGET))
+    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
+    p.add_argument("--batch-sizes", default="1,4,16,32,64")
+    p.add_argument("--policies", default="ar,full,static:0.25,static:0.5,static:0.75,dcut")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL of {\"prompt\"} or {\"input_ids\"}")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 16))")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="timed passes per policy (the median is kept)")
+    p.add_argument("--cost-table", default=None, help="default: this pair's table under compile_cache/")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--output", default=None, help="JSON with every figure")
+    p.add_argument("--plot", default=None, help="PNG: speedup over AR vs batch size (needs matplotlib)")
+    return p.parse_args(argv)
+
+
+def make_policy(spec: str, table: CostTable | None) -> Policy:
+    name, _, arg = spec.partition(":")
+    if name in ("ar", "full"):
+        return Policy.ar() if name == "ar" else Policy.full()
+    if name == "static":
+        try:
+            return Policy.static(float(arg))
+        except ValueError:
+            raise UserError(f"policy {spec!r}: static needs a rho, e.g. static:0.5") from None
+    if name == "dcut":
+        variants = {"": {}, "accepted": {"count_anchors": False}, "nocal": {"calibrate": False},
+                    "noskip": {"skip_drafting": False},
+                    "paper": {"count_anchors": False, "calibrate": False, "skip_drafting": False}}
+        if arg not in variants:
+            raise UserError(f"unknown dcut variant {arg!r} (choose from {', '.join(v for v in variants if v)})")
+        p = Policy.dcut(table, DEFAULT_GRID, **variants[arg])
+        p.label_override = spec
+        return p
+    raise UserError(f"unknown policy {spec!r}")
+
+
+def read_prompt_ids(path: str, tokenizer) -> list[list[int]]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"prompts file {p} not found")
+    out = []
+    for line in p.read_text().splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            out.append(obj["input_ids"] if "input_ids" in obj else tokenizer.encode(obj["prompt"], add_special_tokens=False))
+    return out
+
+
+@torch.inference_mode()
+def selector_seconds(B: int, D: int, rhos, device, compile: bool, reps: int = 50) -> float:
+    """Time of the selector alone (prefix scores, keep_len and gain for every rho, rho*) at [B, D]."""
+    Ks = [dcut.budget(r, B, D) for r in rhos]
+
+    def select(conf, limit, cost):
+        log_s = dcut.prefix_scores(conf, limit)
+        return dcut.keep_lens(log_s, Ks), dcut.choose_rho(dcut.gains(log_s, Ks, None) + B, cost)
+    fn = torch.compile(select, fullgraph=True, dynamic=False) if compile else select
+    conf = torch.rand(B, D, device=device)
+    limit = torch.full((B,), D, device=device)
+    cost = torch.ones(len(rhos), device=device)
+    for _ in range(3):
+        fn(conf, limit, cost)[1].item()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn(conf, limit, cost)[1].item()
+    return (time.perf_counter() - t0) / reps
+
+
+def bench_batch(B, specs, table, target, drafter, prompts, args, console) -> list[dict]:
+    n = args.num_prompts or max(2 * B, 16)
+    ids = (prompts * (n // len(prompts) + 1))[:n]
+    max_seq = max(len(p) for p in ids) + args.max_new_tokens + drafter.block_size + 1
+    engines, rows = {}, {}
+    for spec in specs:
+        policy = make_policy(spec, table)
+        engines[spec] = Engine(target, drafter if policy.needs_drafter else None, policy, batch_size=B,
+                               max_seq=max_seq, eos_ids=[], compile=not args.no_compile)
+        t0 = time.perf_counter()  # warm-up pass: compiles every graph this policy reaches
+        engines[spec].generate(ids[:B], args.max_new_tokens)
+        rows[spec] = {"warmup_seconds": time.perf_counter() - t0, "runs": []}
+    for rep in range(args.repeats):
+        for spec in specs:  # interleaved, so drifts of a shared machine hit every policy alike
+            _, stats = engines[spec].generate(ids, args.max_new_tokens)
+            rows[spec]["runs"].append(stats.as_dict())
+            console.log(f"B={B} {spec:>12} pass {rep + 1}: {rows[spec]['runs'][-1]['tokens_per_second']:.1f} tok/s")
+    out = []
+    for spec in specs:
+        runs = rows[spec]["runs"]
+        mid = sorted(runs, key=lambda r: r["tokens_per_second"])[len(runs) // 2]
+        rec = {"batch_size": B, "policy": spec, "warmup_seconds": rows[spec]["warmup_seconds"],
+               "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+               "tokens_per_second_runs": [r["tokens_per_second"] for r in runs], **{
+                   k: mid[k] for k in ("tau", "keep_ratio", "rho_histogram", "seconds", "steps", "generated_tokens",
+                                       "predicted_accepted_raw", "predicted_accepted", "realized_accepted",
+                                       "drafting_request_steps")}}
+        if rec["drafting_request_steps"]:
+            n_rs = rec["drafting_request_steps"]
+            rec["tau_error_uncalibrated"] = abs(rec["predicted_accepted_raw"] - rec["realized_accepted"]) / n_rs
+            rec["tau_error_calibrated"] = abs(rec["predicted_accepted"] - rec["realized_accepted"]) / n_rs
+        out.append(rec)
+    ar = next((r["tokens_per_second"] for r in out if r["policy"] == "ar"), None)
+    for r in out:
+        r["speedup_vs_ar"] = r["tokens_per_second"] / ar if ar else None
+    if any(s.startswith("dcut") for s in specs):
+        sel = selector_seconds(B, drafter.block_size - 1, DEFAULT_GRID, drafter.fc.weight.device, not args.no_compile)
+        for r in out:
+            if r["policy"].startswith("dcut"):
+                step = sum(r["seconds"].get(k, 0) for k in ("draft", "verify", "bookkeeping")) / max(r["steps"], 1)
+                r["select_seconds"] = sel
+                r["select_fraction_of_step"] = sel / step if step else None
+    return out
+
+
+def print_tables(console: Console, records: list[dict]) -> None:
+    t = Table(title="minidcut.bench: side by side, per batch size")
+    for c in ("B", "policy", "tok/s", "x AR", "tau", "keep", "rho histogram", "draft/verify/book %", "compile s"):
+        t.add_column(c, justify="right")
+    for r in records:
+        s = r["seconds"]
+        tot = sum(s.get(k, 0) for k in ("draft", "verify", "bookkeeping")) or 1
+        split = "/".join(f"{100 * s.get(k, 0) / tot:.0f}" for k in ("draft", "verify", "bookkeeping"))
+        hist = " ".join(f"{k}:{v}" for k, v in r["rho_histogram"].items())
+        t.add_row(str(r["batch_size"]), r["policy"], f"{r['tokens_per_second']:.1f}",
+                  f"{r['speedup_vs_ar']:.2f}" if r["speedup_vs_ar"] else "-", f"{r['tau']:.2f}",
+                  f"{r['keep_ratio']:.2f}", hist, split, f"{r['warmup_seconds']:.0f}")
+    console.print(t)
+    best = Table(title="adaptive vs the best fixed policy in hindsight (oracle)")
+    for c in ("B", "best fixed", "its tok/s", "policy", "tok/s", "vs best", "vs ar", "vs full",
+              "tau err raw", "tau err cal", "select % of step"):
+        best.add_column(c, justify="right")
+    for B in sorted({r["batch_size"] for r in records}):
+        rs = [r for r in records if r["batch_size"] == B]
+        fixed = [r for r in rs if not r["policy"].startswith("dcut")]
+        if not fixed:
+            continue
+        b = max(fixed, key=lambda r: r["tokens_per_second"])
+        get = {r["policy"]: r["tokens_per_second"] for r in rs}
+        for r in rs:
+            if r["policy"].startswith("dcut"):
+                best.add_row(str(B), b["policy"], f"{b['tokens_per_second']:.1f}", r["policy"],
+                             f"{r['tokens_per_second']:.1f}", f"{r['tokens_per_second'] / b['tokens_per_second']:.2f}",
+                             f"{r['tokens_per_second'] / get['ar']:.2f}" if "ar" in get else "-",
+                             f"{r['tokens_per_second'] / get['full']:.2f}" if "full" in get else "-",
+                             f"{r.get('tau_error_uncalibrated', 0):.2f}", f"{r.get('tau_error_calibrated', 0):.2f}",
+                             f"{100 * (r.get('select_fraction_of_step') or 0):.1f}")
+    console.print(best)
+
+
+def plot(records: list[dict], path: str, console: Console) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("[yellow]note:[/] matplotlib is not installed (pip install matplotlib): plot skipped")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for spec in dict.fromkeys(r["policy"] for r in records):
+        rs = [r for r in records if r["policy"] == spec and r["speedup_vs_ar"]]
+        ax.plot([r["batch_size"] for r in rs], [r["speedup_vs_ar"] for r in rs], marker="o", label=spec)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B (concurrent requests)")
+    ax.set_ylabel("throughput / AR throughput")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    console.print(f"wrote {path}")
+
+
+def run(args, console: Console) -> int:
+    specs = [s.strip() for s in args.policies.split(",") if s.strip()]
+    batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device)
+    tokenizer = load_tokenizer(args.target)
+    prompts = read_prompt_ids(args.prompts, tokenizer)
+    table = None
+    if any(s.startswith("dcut") for s in specs):
+        path = Path(args.cost_table) if args.cost_table else table_path(device, args.target, args.drafter, dtype)
+        if path.is_file():
+            table = CostTable.load(path)
+        elif args.cost_table:
+            raise CostTableError(f"cost table {path} not found")
+        else:
+            console.print(f"[yellow]warning:[/] no cost table at {path}; profiling B = {batch_sizes} now "
+                          f"(tools/profile.py makes a full one)")
+            ctx = max(len(p) for p in prompts) + args.max_new_tokens // 2
+            table = profile(target, drafter, batch_sizes, list(DEFAULT_GRID), ctx, repeats=3, warmup=1,
+                            compile=not args.no_compile, meta={"target": args.target, "drafter": args.drafter})
+            table.save(path)
+    records = []
+    for B in batch_sizes:
+        records += bench_batch(B, specs, table, target, drafter, prompts, args, console)
+    print_tables(console, records)
+    result = {"target": args.target, "drafter": args.drafter, "device": str(device), "dtype": str(dtype),
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
+              "cost_table": table.to_json() if table else None, "records": records}
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+        console.print(f"wrote {args.output}")
+    if args.plot:
+        plot(records, args.plot, console)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    console = Console()
+    try:
+        return run(args, console)
+    except (UserError, ConfigError, CheckpointError, CostTableError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

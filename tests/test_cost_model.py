@@ -1,0 +1,112 @@
+"""Cost tables and the adaptive rho choice (PAPER.md section 3 step 5)."""
+
+import json
+
+import pytest
+import torch
+
+from minidcut import dcut
+from minidcut.cost_model import CostTable, CostTableError
+from minidcut.policy import Policy
+
+RHOS = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def steep_table():
+    """Dense target on a compute-bound machine: verify cost grows with the verified token count."""
+    return CostTable([16, 64], RHOS, [[1.0, 1.6, 2.2, 2.8, 3.4], [1.0, 2.5, 4.0, 5.5, 7.0]])
+
+
+def flat_table():
+    """MoE-like: nearly flat in rho (PAPER.md: 80 / 85 / 86 / 91 ms)."""
+    return CostTable([16, 64], RHOS, [[1.0, 1.10, 1.12, 1.14, 1.16], [1.0, 1.06, 1.08, 1.09, 1.14]])
+
+
+def test_cost_table_round_trips_through_json(tmp_path):
+    t = CostTable([1, 8], RHOS, [[1, 2, 3, 4, 5], [2, 3, 4, 5, 6]], {"device": "x"})
+    back = CostTable.load(t.save(tmp_path / "t.json"))
+    assert back.batch_sizes == t.batch_sizes and back.rhos == t.rhos
+    assert back.seconds == t.seconds and back.meta == t.meta
+
+
+def test_cost_interpolates_linearly_in_batch_size_and_rho():
+    t = CostTable([8, 16], [0.0, 1.0], [[1.0, 3.0], [2.0, 6.0]])
+    assert t.cost(8, 0.5) == pytest.approx(2.0)
+    assert t.cost(12, 0.0) == pytest.approx(1.5)
+    assert t.cost(12, 1.0) == pytest.approx(4.5)
+    assert t.cost(4, 1.0) == pytest.approx(3.0)  # below the table: the smallest profiled size
+    assert t.cost(32, 1.0) == pytest.approx(12.0)  # above: proportional to B
+
+
+def test_missing_table_is_a_clear_error(tmp_path):
+    with pytest.raises(CostTableError, match="not found"):
+        CostTable.load(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"rhos": [0, 1]}),
+                                  json.dumps({"batch_sizes": [1], "rhos": [0, 1], "seconds": [[1.0]]}),
+                                  json.dumps({"batch_sizes": [1], "rhos": [0, 1], "seconds": [[1.0, -2.0]]})])
+def test_corrupt_table_is_a_clear_error(tmp_path, text):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    with pytest.raises(CostTableError):
+        CostTable.load(p)
+
+
+def choose(table, B, conf):
+    """The dcut policy's in-graph decision, run eagerly: rho* for confidences conf [B, D]."""
+    policy = Policy.dcut(table, RHOS)
+    Ks = [dcut.budget(r, B, conf.shape[1]) for r in RHOS]
+    log_s = dcut.prefix_scores(conf, torch.full((B,), conf.shape[1]))
+    gain = dcut.gains(log_s, Ks, torch.tensor(float(B)))
+    return RHOS[int(dcut.choose_rho(gain, policy.cost_vector(B, "cpu")))]
+
+
+def test_rho_choice_prunes_hard_on_steep_costs_and_keeps_more_on_flat_costs():
+    torch.manual_seed(0)
+    B, D = 64, 15
+    conf = torch.rand(B, D) * 0.3 + 0.7  # a decent drafter: confidences 0.7..1.0
+    steep, flat = choose(steep_table(), B, conf), choose(flat_table(), B, conf)
+    assert steep <= 0.25
+    assert flat >= 0.75
+
+
+def test_rho_choice_falls_back_to_ar_when_drafts_are_hopeless():
+    conf = torch.full((16, 15), 0.02)
+    assert choose(steep_table(), 16, conf) == 0.0
+
+
+def test_skip_drafting_switches_off_after_patience_and_reprobes():
+    p = Policy.dcut(steep_table(), RHOS, patience=3, probe_every=5)
+    drafted = []
+    stream = [0] * 3 + [0] * 20  # rho* = 0 (K = 0) whenever the policy drafts
+    for K in stream:
+        d = p.draft_now()
+        drafted.append(d)
+        p.observe(0.1 if d else None, 0, K if d else 0)
+    assert drafted[:3] == [True, True, True]
+    assert not any(drafted[3:7])  # switched off...
+    assert drafted[7]  # ...and a probe every probe_every steps
+    assert sum(drafted[3:]) == 4
+
+
+def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying():
+    p = Policy.dcut(steep_table(), RHOS, patience=2, probe_every=3)
+    for _ in range(2):
+        p.draft_now()
+        p.observe(0.1, 0, 0)
+    while not p.draft_now():
+        p.observe(None, 0, 0)
+    p.observe(5.0, 5, 64)  # the probe chose rho > 0
+    assert all(p.draft_now() for _ in range(10))
+
+
+def test_calibration_tracks_realized_over_predicted_accepted_drafts():
+    p = Policy.dcut(steep_table(), RHOS)
+    for _ in range(200):  # an over-confident drafter: realizes half of what it predicts
+        p.observe(10.0, 5, 64)
+    assert p.gain_scale == pytest.approx(0.5, rel=0.02)
+    q = Policy.dcut(steep_table(), RHOS, calibrate=False)
+    for _ in range(50):
+        q.observe(10.0, 5, 64)
+    assert q.gain_scale == 1.0

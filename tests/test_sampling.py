@@ -1,0 +1,163 @@
+"""Sampling and the acceptance rule (PAPER.md section 4), and the losslessness of speculative sampling.
+
+The lossless test runs the real Engine at temperature 1 on a target with an 8-token vocabulary and
+compares the distribution of the first three generated tokens (8^3 outcomes) with the exact AR
+distribution computed from the target's own probabilities. The bound is the total-variation distance
+that exact sampling itself stays under (simulated at the same number of runs); a deliberately wrong
+acceptance rule run through the same engine must break it.
+"""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import minidcut.engine
+from minidcut.engine import Engine
+from minidcut.loader import load_drafter, load_target
+from minidcut.policy import Policy
+from minidcut.sampling import accept, sample
+from tiny import make_drafter, make_model
+
+
+# ---- (a) sample -----------------------------------------------------------------------------------
+
+def test_greedy_sample_is_argmax_and_ignores_top_p():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample(logits, 0.0, 1.0), logits.argmax(-1))
+    assert torch.equal(sample(logits, 0.0, 0.3), logits.argmax(-1))
+
+
+def test_greedy_sample_breaks_an_exact_tie_like_argmax():
+    logits = torch.tensor([[0.0, 1.0, 3.0, 0.5, 3.0]])  # tokens 2 and 4 tie
+    assert sample(logits, 0.0, 1.0).tolist() == [2] == logits.argmax(-1).tolist()
+
+
+def frequencies(logits_row, temperature, top_p, n=40000, seed=0):
+    torch.manual_seed(seed)
+    tokens = sample(logits_row.expand(n, -1).contiguous(), temperature, top_p)
+    return torch.bincount(tokens, minlength=logits_row.shape[-1]).double() / n
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampling_follows_the_softmax_at_the_temperature(temperature):
+    logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, -2.0])
+    freq = frequencies(logits, temperature, 1.0)
+    p = torch.softmax(logits.double() / temperature, -1)
+    assert (freq - p).abs().max() < 0.012  # ~5 standard errors at n = 40000
+
+
+@pytest.mark.parametrize("top_p, nucleus", [(0.45, [2]), (0.7, [2, 0]), (0.85, [2, 0, 3]), (0.99, [2, 0, 3, 1])])
+def test_top_p_samples_the_smallest_nucleus_renormalised(top_p, nucleus):
+    probs = torch.tensor([0.3, 0.05, 0.5, 0.15])  # sorted: 2 (0.5), 0 (0.3), 3 (0.15), 1 (0.05)
+    freq = frequencies(probs.log(), 1.0, top_p)
+    expect = torch.zeros(4, dtype=torch.float64)
+    expect[nucleus] = probs[nucleus].double() / probs[nucleus].sum()
+    assert set(freq.nonzero().flatten().tolist()) == set(nucleus)  # never outside, every member seen
+    assert (freq - expect).abs().max() < 0.012
+
+
+def test_a_tiny_top_p_only_ever_samples_the_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(4096, 8)
+    for _ in range(5):
+        assert torch.equal(sample(logits, 1.0, 1e-6), logits.argmax(-1))
+    assert not torch.equal(sample(logits, 1.0, 1.0), logits.argmax(-1))  # the control: top_p = 1 samples
+
+
+# ---- (b) accept -----------------------------------------------------------------------------------
+
+def test_accept_counts_the_matching_prefix_within_keep_len():
+    drafts = torch.tensor([[1, 2, 3, 4]] * 6)  # [B, D]
+    target = torch.tensor([
+        [1, 2, 9, 4, 5],  # mismatch at draft 3
+        [1, 2, 9, 4, 5],  # same, but keep_len cuts before the mismatch
+        [1, 2, 3, 4, 5],  # all match
+        [1, 2, 3, 4, 5],  # all match, nothing kept: an AR step
+        [7, 2, 3, 4, 5],  # first draft wrong: later matches do not count
+        [1, 2, 3, -1, -1],  # -1 marks unverified cells: never a match
+    ])
+    keep_len = torch.tensor([4, 1, 4, 0, 4, 2])
+    assert accept(drafts, keep_len, target).tolist() == [2, 1, 4, 0, 0, 2]
+
+
+def test_accept_with_a_greedy_tie_commits_what_ar_would_commit():
+    # The target's logits after the anchor tie between tokens 2 and 4: AR commits 2 (argmax picks
+    # the first), so a draft of 4 is rejected and the bonus is 2; a draft of 2 is accepted.
+    logits = torch.tensor([[0.0, 1.0, 3.0, 0.5, 3.0], [5.0, 0.0, 0.0, 0.0, 0.0]])  # after anchor, after draft
+    choice = sample(logits, 0.0, 1.0)[None]  # [1, 2]
+    assert accept(torch.tensor([[4]]), torch.tensor([1]), choice).tolist() == [0]
+    assert choice[0, 0].item() == 2
+    assert accept(torch.tensor([[2]]), torch.tensor([1]), choice).tolist() == [1]
+
+
+# ---- (c) lossless sampling through the engine ------------------------------------------------------
+
+PROMPT = [3, 1, 4, 1]
+N = 4096  # independent runs per policy: one prompt repeated, 256 rows at a time
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """An 8-token target and a drafter that mostly drafts its mask token 3 (the target's favourite
+    first token), with confidences that vary with the context: acceptance is frequent but not
+    certain, and a static rho prunes some rows and not others."""
+    root = tmp_path_factory.mktemp("lossless")
+    hf = make_model(root / "target", "llama", vocab_size=8)
+    W = make_drafter(root / "drafter", hf.config, mask_token_id=3, scale=0.8)
+    W["norm.weight"] = W["norm.weight"] * 0.15  # soften the drafter's confidence away from 1.0
+    save_file(W, str(root / "drafter" / "model.safetensors"))
+    target = load_target(root / "target")
+    drafter = load_drafter(root / "drafter", target)
+    with torch.no_grad():  # exact AR distribution of the first three tokens [512]
+        pairs = torch.cartesian_prod(torch.arange(8), torch.arange(8))  # [64, 2]
+        seqs = torch.cat([torch.tensor(PROMPT).expand(64, -1), pairs], 1)  # [64, 6]
+        logp = torch.log_softmax(hf(seqs).logits.double(), -1)  # [64, 6, 8]
+        first = logp[:, 3].gather(1, pairs[:, :1]) + logp[:, 4].gather(1, pairs[:, 1:])  # [64, 1]
+        exact = (first + logp[:, 5]).exp().flatten()  # index t1 * 64 + t2 * 8 + t3
+    gen = torch.Generator().manual_seed(1)  # the bound: TV of exact sampling at the same N
+    sims = torch.multinomial(exact.float().expand(500, -1), N, replacement=True, generator=gen)  # [500, N]
+    counts = torch.zeros(500, 512, dtype=torch.float64).scatter_add_(1, sims, torch.ones_like(sims, dtype=torch.float64))
+    null_tv = 0.5 * (counts / N - exact).abs().sum(1)
+    return target, drafter, exact, float(null_tv.max())
+
+
+def tv_to_exact(target, drafter, policy, exact, seed=0):
+    torch.manual_seed(seed)
+    engine = Engine(target, drafter, policy, batch_size=256, max_seq=64, temperature=1.0, eos_ids=[], compile=False)
+    outputs, stats = engine.generate([PROMPT] * N, max_new_tokens=3)
+    idx = torch.tensor([a * 64 + b * 8 + c for a, b, c in outputs])
+    freq = torch.bincount(idx, minlength=512).double() / N
+    return float(0.5 * (freq - exact).abs().sum()), stats
+
+
+def top2_accept(drafts, keep_len, target_tok, top2):
+    """A WRONG rule: accept a draft when it is among the target's two most likely tokens."""
+    B, D = drafts.shape
+    verified = target_tok != -1  # [B, Q]: packed tokens fill these cells in row-major order
+    grid = torch.full((*target_tok.shape, 2), -1, dtype=torch.long)
+    grid[verified] = top2["last"]  # [T, 2] the target's top-2 in this verify call, in packed order
+    near = (drafts[:, :, None] == grid[:, :D]).any(-1) | (drafts == target_tok[:, :D])
+    near &= torch.arange(D) < keep_len[:, None]
+    return near.int().cumprod(1).sum(1)
+
+
+def test_speculative_sampling_is_lossless_and_a_wrong_acceptance_rule_is_caught(tiny_pair, monkeypatch):
+    target, drafter, exact, bound = tiny_pair
+    assert 0.02 < bound < 0.08  # the bound is tight enough to mean something
+    for policy in (Policy.full(), Policy.static(0.5)):
+        tv, stats = tv_to_exact(target, drafter, policy, exact)
+        assert stats.tau > 1.5  # drafts are accepted often: the speculative path is exercised
+        assert tv < bound, (policy.label, tv, bound)
+    assert 0.3 < stats.keep_ratio < 0.7  # the static policy really pruned
+
+    # The same engine with a lossy acceptance rule must be caught by the same bound.
+    top2 = {}
+
+    def spy_sample(logits, temperature, top_p):
+        top2["last"] = logits.topk(2, dim=-1).indices
+        return sample(logits, temperature, top_p)
+
+    monkeypatch.setattr(minidcut.engine, "sample", spy_sample)
+    monkeypatch.setattr(minidcut.engine, "accept", lambda d, k, t: top2_accept(d, k, t, top2))
+    tv, _ = tv_to_exact(target, drafter, Policy.static(0.5), exact)
+    assert tv > 2 * bound, (tv, bound)

@@ -1,0 +1,88 @@
+"""Build the cost table: median seconds of one complete speculative step (draft + select + verify +
+accept; rho = 0 is an AR step without drafting) for every (batch size, rho), on this machine, for one
+(target, drafter, dtype). Written under compile_cache/cost_tables/, where the dcut policy finds it.
+
+    python tools/profile.py --target models/llama-stdlib-4m --drafter models/llama-stdlib-4m-dflash
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from minidcut.api import load_pair, parse_rhos  # noqa: E402
+from minidcut.config import ConfigError  # noqa: E402
+from minidcut.cost_model import table_path  # noqa: E402
+from minidcut.loader import CheckpointError  # noqa: E402
+from minidcut.profiler import profile  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--rhos", default="0,0.25,0.5,0.75,1")
+    p.add_argument("--context-len", type=int, default=128, help="context tokens per request while timing")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per cell (the median is kept)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--out", default=None, help="output JSON (default: the table the dcut policy looks for)")
+    return p.parse_args(argv)
+
+
+def print_table(console: Console, table) -> None:
+    t = Table(title=f"cost table: ms per step ({table.meta.get('device')}, {table.meta.get('dtype')}, "
+                    f"context {table.meta.get('context_len')})")
+    t.add_column("B", justify="right")
+    for r in table.rhos:
+        t.add_column(f"rho={r:g}", justify="right")
+    t.add_column("full / AR", justify="right")
+    for B, row in zip(table.batch_sizes, table.seconds):
+        t.add_row(str(B), *[f"{s * 1e3:.2f}" for s in row], f"{row[-1] / row[0]:.2f}x")
+    console.print(t)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    console = Console()
+    try:
+        batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+        rhos = parse_rhos(args.rhos)
+        target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device)
+    except (ValueError, ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else table_path(device, args.target, args.drafter, dtype)
+    t0 = time.time()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("profiling", total=len(batch_sizes) * len(rhos))
+
+        def done(B, rho):
+            bar.update(task, advance=1, description=f"profiling B={B} rho={rho:g}")
+
+        table = profile(target, drafter, batch_sizes, rhos, args.context_len, args.repeats, args.warmup,
+                        compile=not args.no_compile, on_done=done,
+                        meta={"target": str(args.target), "drafter": str(args.drafter)})
+    table.meta["wall_seconds"] = round(time.time() - t0, 1)
+    table.save(out)
+    print_table(console, table)
+    console.print(f"wrote {out} in {table.meta['wall_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
