@@ -96,6 +96,7 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
         if kind not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"rope_type {kind!r} is not supported (supported: "
                               f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+        scaling.pop("type", None)  # the legacy spelling of rope_type
         scaling = None if kind == "default" else {**scaling, "rope_type": kind}
     return float(theta), scaling
 

@@ -30,8 +30,12 @@ COMPILE_CACHE = Path(__file__).resolve().parent.parent / "compile_cache"
 
 
 def use_compile_cache(path: Path = COMPILE_CACHE) -> None:
-    """Keep inductor's compiled kernels and graphs under compile_cache/ so a second run starts fast."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path / "inductor"))
+    """Keep inductor's compiled kernels and graphs under compile_cache/ so a second run starts fast.
+    A cache dir the user chose is kept; torch's own default (which importing torch._dynamo writes into
+    the environment) is not a choice."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
 
 
 DYNAMIC = os.environ.get("MINIDCUT_DYNAMIC", "0") == "1"
@@ -215,8 +219,10 @@ class Engine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
-            if any(not 0 <= t < V for t in p):
-                raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {V})")
+            bad = next(((j, t) for j, t in enumerate(p) if not 0 <= t < V), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i}: token id {bad[1]} at position {bad[0]} is outside the "
+                                 f"vocabulary [0, {V})")
             if len(p) + max_new_tokens + self.block > self.max_seq:
                 raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {max_new_tokens} new tokens "
                                  f"(+ {self.block} block) exceed the context of {self.max_seq}")

@@ -77,11 +77,24 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _orient_experts(tensors, key: str, expected) -> torch.Tensor:
+    """Fused expert tensors come as [E, out, in] (transformers) or [E, in, out]. Decide once per
+    expert block from the pair: one of gate_up_proj [E, 2I, H] and down_proj [E, H, I] is never
+    square, so the pair always tells, even when 2I == H makes gate_up_proj square."""
+    block = key.rsplit(".", 1)[0]
+    gu, down = tensors[f"{block}.gate_up_proj"], tensors[f"{block}.down_proj"]
+    E, H, I = expected[f"{block}.down_proj"]
+    transposed = tuple(down.shape) == (E, I, H) if I != H else tuple(gu.shape) == (E, H, 2 * I)
+    return tensors[key].transpose(1, 2) if transposed else tensors[key]
+
+
 def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device,
               where: str, tied: tuple[str, str] | None = None) -> None:
     """Assign `tensors` to the meta-device `model`'s parameters, checking names and shapes.
     `tied` = (lm_head key, embedding key) fills the head from the embedding when it is absent."""
     expected = {k: v.shape for k, v in model.state_dict().items()}
+    # Rotary frequencies are recomputed from the config; old checkpoints still carry them.
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if tied and tied[0] in expected and tied[0] not in tensors and tied[1] in tensors:
         tensors[tied[0]] = tensors[tied[1]]
     missing = sorted(set(expected) - set(tensors))
@@ -95,8 +108,8 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.d
     state = {}
     for key, shape in expected.items():
         t = tensors[key]
-        if t.shape != shape and t.dim() == 3 and t.shape == (shape[0], shape[2], shape[1]):
-            t = t.transpose(1, 2)  # fused experts stored [E, in, out] instead of [E, out, in]
+        if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
+            t = _orient_experts(tensors, key, expected)
         if t.shape != shape:
             raise CheckpointError(f"{where}: tensor {key} has shape {list(t.shape)}, "
                                   f"the config implies {list(shape)}")

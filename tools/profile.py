@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Run as a script: import from the repo root, and never let tools/profile.py shadow the stdlib module.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402

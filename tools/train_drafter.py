@@ -30,10 +30,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run as a script: import from the repo root, and never let tools/profile.py shadow the stdlib module.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-import corpus  # noqa: E402
+from tools import corpus  # noqa: E402
 from minidcut.config import DrafterConfig, default_target_layer_ids, parse_model_config  # noqa: E402
 from minidcut.drafter import DFlashDrafter  # noqa: E402
 from minidcut.engine import Engine  # noqa: E402
