@@ -38,9 +38,6 @@ def use_compile_cache(path: Path = COMPILE_CACHE) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
 
 
-DYNAMIC = os.environ.get("MINIDCUT_DYNAMIC", "0") == "1"
-
-
 @dataclass
 class Request:
     index: int
@@ -134,7 +131,7 @@ class Engine:
         if key not in self.graphs:
             fn = self._draft if kind == "draft" else functools.partial(self._verify, K=K)
             if self.compile:
-                fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=DYNAMIC)
+                fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
             self.graphs[key] = fn
         return self.graphs[key]
 

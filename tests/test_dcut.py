@@ -7,7 +7,6 @@ go wrong. Every property is checked for a grid of rho that includes 0 and 1.
 
 import math
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,12 +14,13 @@ from hypothesis import strategies as st
 from minidcut import dcut
 
 RHOS = [0.0, 0.1, 0.25, 1 / 3, 0.5, 0.75, 0.9, 1.0]
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
 def selector_inputs(draw):
-    """(conf [B, D] in (0, 1], limit [B] in 0..D) with plenty of exact ties."""
+    """(conf [B, D] in (0, 1], limit [B]) with plenty of exact ties. limit[i] is how many more
+    drafts request i can use: 0 for an empty row, possibly more than D."""
     B, D = draw(st.integers(1, 8)), draw(st.integers(1, 15))
     free = st.floats(1e-6, 1.0, allow_nan=False, allow_infinity=False)
     pool = draw(st.lists(free, min_size=1, max_size=3))  # a few values, repeated across the batch
@@ -38,7 +38,7 @@ def selector_inputs(draw):
     if draw(st.booleans()):
         limit = torch.full((B,), D)
     else:
-        limit = torch.tensor(draw(st.lists(st.integers(0, D), min_size=B, max_size=B)))
+        limit = torch.tensor(draw(st.lists(st.integers(0, D + 3), min_size=B, max_size=B)))
     return conf, limit
 
 
@@ -161,13 +161,12 @@ def test_global_top_K_beats_a_confidence_blind_cut_at_equal_budget():
 
 
 def test_compiled_selector_equals_eager_on_a_fixed_shape():
+    """keep_lens + gains as the engine traces them: one graph (fullgraph, static shape), same answers."""
     B, D = 8, 15
     Ks = [dcut.budget(r, B, D) for r in (0.0, 0.25, 0.5, 0.75, 1.0)]
 
-    def select(conf, limit, cost, n_live):
-        log_s = dcut.prefix_scores(conf, limit)
-        keep, g = dcut.keep_lens(log_s, Ks), dcut.gains(log_s, Ks, n_live)
-        return keep, g, dcut.choose_rho(g, cost)
+    def select(log_s, n_live):
+        return dcut.keep_lens(log_s, Ks), dcut.gains(log_s, Ks, n_live)
 
     gen = torch.Generator().manual_seed(0)
     cases = []
@@ -177,14 +176,11 @@ def test_compiled_selector_equals_eager_on_a_fixed_shape():
             conf[:3] = 1.0  # exact ties
             conf[5] = 0.5
         limit = torch.randint(0, D + 1, (B,), generator=gen) if i >= 2 else torch.full((B,), D)
-        cost = torch.tensor([1.0, 1.3, 1.6, 2.0, 2.4]) * (1 + i)
-        cases.append((conf, limit, cost, torch.tensor(float(B - i))))
-    torch._dynamo.reset()
+        cases.append((dcut.prefix_scores(conf, limit), torch.tensor(float(B - i))))
     compiled = torch.compile(select, fullgraph=True, dynamic=False)
     with torch._dynamo.config.patch(error_on_recompile=True):  # one graph for the fixed shape
         for args in cases:
-            keep_c, g_c, r_c = compiled(*args)
-            keep_e, g_e, r_e = select(*args)
+            keep_c, g_c = compiled(*args)
+            keep_e, g_e = select(*args)
             assert torch.equal(keep_c, keep_e)
             assert torch.allclose(g_c, g_e, rtol=1e-6, atol=1e-6)
-            assert int(r_c) == int(r_e)

@@ -164,7 +164,7 @@ def test_speculative_sampling_is_lossless_and_a_wrong_acceptance_rule_is_caught(
         cut.clear()
         tv, stats = tv_to_exact(target, drafter, policy, exact)
         assert stats.tau > 1.5  # drafts are accepted often: the speculative path is exercised
-        assert (sum(cut) > 1000) == (policy.name == "static")  # static pruning really cut requests
+        assert sum(cut) > 100 if policy.name == "static" else sum(cut) == 0  # static pruning really cut
         assert tv < bound, (policy.label, tv, bound)
     monkeypatch.undo()
 
