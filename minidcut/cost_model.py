@@ -7,6 +7,7 @@ tools/profile.py (or by the engine's quick profile when none exists).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -88,6 +89,10 @@ def table_path(device, target_dir, drafter_dir, dtype: torch.dtype, table_dir: P
     """The cost table's file: named by device, target, drafter and dtype."""
     def slug(x) -> str:
         return re.sub(r"[^A-Za-z0-9._-]+", "-", str(x)).strip("-")
-    name = "__".join([slug(device_name(device)), slug(Path(target_dir).resolve().name),
-                      slug(Path(drafter_dir).resolve().name), slug(str(dtype).replace("torch.", ""))])
+
+    def model(d) -> str:  # the directory's name, plus a hash of its full path: no two models collide
+        p = Path(d).resolve()
+        return f"{slug(p.name)}-{hashlib.sha1(str(p).encode()).hexdigest()[:6]}"
+    name = "__".join([slug(device_name(device)), model(target_dir), model(drafter_dir),
+                      slug(str(dtype).replace("torch.", ""))])
     return table_dir / f"{name}.json"

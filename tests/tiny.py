@@ -85,3 +85,24 @@ def make_drafter(path: Path, target_cfg, n_layers: int = 2, block_size: int = 16
            "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu"}
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return t
+
+
+def make_tokenized_pair(root: Path, vocab_size: int = 300) -> tuple[Path, Path]:
+    """A tiny llama target WITH a byte-level BPE tokenizer (trained on a few stdlib files) and a
+    random z-lab-layout drafter whose mask token is the tokenizer's <|mask|>: what the CLI, the examples
+    and the tools need. Returns (target_dir, drafter_dir)."""
+    import shutil
+    import sysconfig
+
+    from tools.train_tokenizer import train_tokenizer
+    corpus = root / "corpus"
+    corpus.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("bisect.py", "heapq.py", "textwrap.py", "string.py"):
+        shutil.copy(stdlib / name, corpus / name)
+    tok = train_tokenizer(corpus, vocab_size)
+    target, drafter = root / "target", root / "drafter"
+    hf = make_model(target, "llama", vocab_size=len(tok), max_position_embeddings=1024)
+    tok.save_pretrained(target)
+    make_drafter(drafter, hf.config, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"))
+    return target, drafter

@@ -63,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--decay", type=float, default=7.0, help="slot-weight decay exp(-(k-1)/decay)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     return p.parse_args(argv)
 
 
@@ -92,7 +93,7 @@ def distill(target, prompts: torch.Tensor, gen_len: int, console: Console) -> to
             out += [p + g for p, g in zip(chunk, gens)]
             bar.advance(task, len(chunk))
     target.caches = torch.nn.ModuleList()
-    return torch.tensor(out)
+    return torch.tensor(out, device=prompts.device)
 
 
 @torch.no_grad()
@@ -146,13 +147,14 @@ def drafter_loss(drafter, target, feats, seqs, labels, args, gen: torch.Generato
     the top-1 agreement of slot 1."""
     N, L = seqs.shape
     Bs = drafter.block_size
-    anchors = torch.randint(1, L - Bs + 1, (N, args.anchors), generator=gen)  # [N, A]
+    dev = seqs.device
+    anchors = torch.randint(1, L - Bs + 1, (N, args.anchors), generator=gen).to(dev)  # [N, A]
     hidden = block_forward(drafter, target, feats, seqs, anchors)[:, :, 1:]  # [N, A, D, H]
     logits = target.lm_head(hidden).float()  # [N, A, D, V]
     # Slot k predicts the target's greedy token after position anchor + k - 1.
-    idx = anchors[..., None] + torch.arange(Bs - 1)  # [N, A, D]
+    idx = anchors[..., None] + torch.arange(Bs - 1, device=dev)  # [N, A, D]
     y = labels.gather(1, idx.view(N, -1)).view_as(idx)
-    w = torch.exp(-torch.arange(Bs - 1, dtype=torch.float32) / args.decay)  # [D]
+    w = torch.exp(-torch.arange(Bs - 1, dtype=torch.float32, device=dev) / args.decay)  # [D]
     ce = F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(y)
     loss = (ce * w).sum(-1).mean() / w.sum()
     acc1 = (logits[..., 0, :].argmax(-1) == y[..., 0]).float().mean()
@@ -211,15 +213,15 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed)
     t_start = time.time()
     target_dir = Path(args.target)
-    target = load_target(target_dir, torch.float32)
+    target = load_target(target_dir, torch.float32, args.device)
     mask_id = mask_token_id(args, target_dir)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(target_dir)
     windows = corpus.sequences("train", tok, args.prompt_len, args.corpus)  # [S, P]
     pick = torch.randperm(len(windows), generator=gen)[: args.sequences]
     console.print(f"self-distilling {len(pick)} sequences of {args.seq_len} tokens from {target_dir}")
-    seqs = distill(target, windows[pick], args.seq_len - args.prompt_len, console)  # [N, L]
-    drafter = build_drafter(args, target.cfg, mask_id)
+    seqs = distill(target, windows[pick].to(args.device), args.seq_len - args.prompt_len, console)  # [N, L]
+    drafter = build_drafter(args, target.cfg, mask_id).to(args.device)
     feats, labels = target_features(target, seqs, drafter.taps)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     warm = max(args.steps // 20, 1)
@@ -230,7 +232,7 @@ def main(argv=None):
             lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
             for g in opt.param_groups:
                 g["lr"] = lr
-            idx = torch.randint(0, len(seqs), (args.batch_size,), generator=gen)
+            idx = torch.randint(0, len(seqs), (args.batch_size,), generator=gen).to(args.device)
             loss, acc1 = drafter_loss(drafter, target, feats[idx], seqs[idx], labels[idx], args, gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
