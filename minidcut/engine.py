@@ -138,7 +138,8 @@ class Engine:
     def _draft(self, anchor, anchor_pos, limit, cost, n_live, scale):
         """Draft one block per row and run the D-cut selector for every rho of the policy's grid.
         anchor, anchor_pos, limit [B]; cost [n_rho]; n_live, scale [] (calibration of the gain) ->
-        drafts [B, D], keep_len [n_rho, B], rho index [], expected accepted drafts [n_rho]."""
+        drafts [B, D], keep_len [n_rho, B], rho index [], expected accepted drafts [n_rho],
+        log prefix scores [B, D]."""
         logits = self.drafter(self.target, anchor, anchor_pos).float()  # [B, D, V]
         top, drafts = logits.max(dim=-1)  # [B, D]: the greedy drafts
         conf = torch.exp(top - torch.logsumexp(logits, dim=-1))  # [B, D] softmax prob of each draft
@@ -146,7 +147,7 @@ class Engine:
         keep_len = dcut.keep_lens(log_s, self.Ks)  # [n_rho, B]
         gain = dcut.gains(log_s, self.Ks, None)  # [n_rho] expected accepted drafts, uncalibrated
         total = scale * gain + (n_live if self.policy.count_anchors else 0)
-        return drafts, keep_len, dcut.choose_rho(total, cost), gain
+        return drafts, keep_len, dcut.choose_rho(total, cost), gain, log_s
 
     def _verify(self, anchor, anchor_pos, drafts, keep_len, K: int):
         """Pack, verify, accept (PAPER.md section 3 step 6-7 and section 4).
@@ -225,9 +226,11 @@ class Engine:
                                  f"(+ {self.block} block) exceed the context of {self.max_seq}")
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, on_step=None):
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, on_step=None, trace=None):
         """Generate for every prompt with at most B at a time; returns (outputs in input order, Stats).
-        on_step(stats, current_rho) is called after every step (for a live view)."""
+        on_step(stats, current_rho) is called after every step (for a live view). A `trace` list gets,
+        for every drafting step, (prefix scores s [n_live, D], keep_len [n_live], accepted [n_live]) of
+        the live requests (an extra host copy per step: for evaluation, not for speed)."""
         self.validate(prompts, max_new_tokens)
         reqs = [Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
         pending = collections.deque(reqs)
@@ -261,7 +264,7 @@ class Engine:
             t0 = time.perf_counter()
             K, rho = 0, 0.0
             if self.drafter is not None and self.policy.draft_now():
-                drafts, keep_lens, rho_idx, gain = self.graph("draft")(
+                drafts, keep_lens, rho_idx, gain, log_s = self.graph("draft")(
                     anchor, anchor_pos, torch.tensor(limit, device=dev), self.policy.cost_vector(B, dev),
                     torch.tensor(float(n_live), device=dev), torch.tensor(self.policy.gain_scale, device=dev))
                 ri = int(rho_idx.item())  # the one host sync: it picks the verify graph
@@ -278,6 +281,9 @@ class Engine:
             t1 = time.perf_counter()
             stats.seconds["verify"] += t1 - t0
             # Bookkeeping: commit tokens, finish requests.
+            if trace is not None and drafts is not None:
+                rows = [i for i in range(B) if live[i]]
+                trace.append((log_s[rows].exp().cpu(), host[rows, -1].clone(), host[rows, -2] - 1))
             accepted_live = 0
             for i, r in enumerate(slots):
                 if r is None:

@@ -43,7 +43,7 @@ def time_steps(engine: Engine, context_len: int, repeats: int = 5, warmup: int =
             if K == 0:
                 commit = engine.graph("verify", 0)(anchor, anchor_pos, None, None)[0]
             else:
-                drafts, keep_lens, rho_idx, _ = engine.graph("draft")(anchor, anchor_pos, limit, *args)
+                drafts, keep_lens, rho_idx = engine.graph("draft")(anchor, anchor_pos, limit, *args)[:3]
                 rho_idx.item()  # the real step's host sync
                 commit = engine.graph("verify", K)(anchor, anchor_pos, drafts, keep_lens[ri])[0]
             commit.cpu()
