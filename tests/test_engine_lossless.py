@@ -1,0 +1,339 @@
+"""Greedy losslessness of the engine (PAPER.md section 4): at temperature 0 every policy (full, static,
+dcut) commits exactly the tokens plain AR decoding of the target commits, whatever the batch size, the
+prompt lengths, where EOS falls and where max_new_tokens cuts a verified block.
+
+Two kinds of drafter:
+- random drafters (tests/tiny.make_drafter): they almost never agree with the target, so these runs
+  exercise rejection at depth 0, the bonus token, packing of ragged keep_lens and continuous batching;
+- an AGREEING drafter, trained here for a few hundred steps (tools/train_drafter.py's pieces) against a
+  tiny target built to repeat itself: long accepted runs, EOS and max_new_tokens inside a block.
+
+All runs are eager (compile=False); test_engine_recompile.py covers the compiled graphs.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import pytest
+import torch
+
+from minidcut.cost_model import CostTable
+from minidcut.engine import Engine
+from minidcut.loader import load_drafter, load_target
+from minidcut.policy import Policy
+from tiny import make_drafter, make_model
+
+FAMILIES = ["llama", "qwen3_moe"]
+BATCH_SIZES = [1, 3, 8]
+PROMPT_LENS = [5, 17, 9, 30, 3, 12, 1, 22, 7, 14, 2]  # ragged; more prompts than rows: rows are refilled
+MAX_NEW = 24
+# A cache with room to spare: rows whose request has finished keep stepping and advancing their
+# positions (see test_finished_rows_stay_inside_the_cache); these tests are about the tokens.
+MAX_SEQ = 512
+GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def synthetic_table(slope: float = 0.01) -> CostTable:
+    """A cost table covering B = 1, 3, 8 and the whole grid: cost grows slowly with rho * B, so with
+    these drafters dcut picks a mix of every rho (checked by test_dcut_visits_several_rhos)."""
+    bs = [1, 3, 8]
+    return CostTable(bs, GRID, [[1.0 + slope * r * b for r in GRID] for b in bs])
+
+
+POLICIES = {
+    "full": Policy.full,
+    "static0.25": lambda: Policy.static(0.25),
+    "static0.5": lambda: Policy.static(0.5),
+    "dcut": lambda: Policy.dcut(synthetic_table()),
+}
+
+
+def prompts_for(B: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
+    """2B + 1 ragged prompts (all 11 for B = 8): every row is refilled at least once."""
+    g = torch.Generator().manual_seed(seed)
+    n = min(2 * B + 1, len(lens))
+    return [torch.randint(0, 96, (L,), generator=g).tolist() for L in lens[:n]]
+
+
+class RecordingEngine(Engine):
+    """An Engine that records the block of tokens each step hands to each request (before the
+    EOS / max_new_tokens trim), so a test can see where generation stopped inside a block."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.blocks: dict[int, list[list[int]]] = collections.defaultdict(list)
+
+    def _emit(self, req, tokens):
+        self.blocks[req.index].append([int(t) for t in tokens])
+        super()._emit(req, tokens)
+
+
+def run(target, drafter, policy, B, prompts, max_new, eos=(), max_seq=MAX_SEQ, engine_cls=Engine):
+    engine = engine_cls(target, drafter, policy, batch_size=B, max_seq=max_seq, eos_ids=list(eos),
+                        compile=False)
+    outputs, stats = engine.generate(prompts, max_new)
+    return outputs, stats, engine
+
+
+def check_stats(outputs, stats, steps_expected_positive=True):
+    """Stats invariants that hold for every run."""
+    assert stats.generated_tokens == sum(len(o) for o in outputs)
+    assert stats.requests == len(outputs) == stats.finished
+    assert 0.0 <= stats.keep_ratio <= 1.0
+    assert sum(stats.rho_hist.values()) == stats.steps
+    assert stats.tau >= 1.0
+    if steps_expected_positive:
+        assert stats.steps > 0
+
+
+def truncate_at_eos(outputs, eos: int) -> list[list[int]]:
+    return [o[: o.index(eos) + 1] if eos in o else o for o in outputs]
+
+
+def cut_inside_block(engine: RecordingEngine, outputs) -> int:
+    """How many requests stopped before the end of the last block they were handed."""
+    return sum(sum(map(len, engine.blocks[i])) > len(o) for i, o in enumerate(outputs))
+
+
+# ---- random tiny pairs ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """(family, target, random drafter) sized to the target's HF config."""
+    fam = request.param
+    root = tmp_path_factory.mktemp(fam)
+    hf = make_model(root / "target", fam)
+    make_drafter(root / "drafter", hf.config)
+    target = load_target(root / "target")
+    return fam, target, load_drafter(root / "drafter", target), hf
+
+
+@pytest.fixture(scope="module")
+def ar_refs(pair):
+    """AR outputs per batch size (the reference every policy must reproduce)."""
+    _, target, _, _ = pair
+    refs = {}
+    for B in BATCH_SIZES:
+        outputs, stats, _ = run(target, None, Policy.ar(), B, prompts_for(B), MAX_NEW)
+        check_stats(outputs, stats)
+        assert stats.tau == 1.0 and stats.keep_ratio == 0.0
+        refs[B] = outputs
+    return refs
+
+
+def test_ar_reference_equals_transformers_greedy(pair, ar_refs):
+    """The reference itself: AR decoding in the engine is transformers' greedy decoding."""
+    _, _, _, hf = pair
+    for prompt, out in zip(prompts_for(3), ar_refs[3]):
+        x = torch.tensor([prompt])
+        ids = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
+                          min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+        assert ids[0, len(prompt):].tolist() == out
+
+
+@pytest.mark.parametrize("B", BATCH_SIZES)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_greedy_outputs_equal_ar_for_every_policy(pair, ar_refs, policy, B):
+    _, target, drafter, _ = pair
+    outputs, stats, _ = run(target, drafter, POLICIES[policy](), B, prompts_for(B), MAX_NEW)
+    assert outputs == ar_refs[B]
+    check_stats(outputs, stats)
+    assert all(len(o) == MAX_NEW for o in outputs)
+    if policy == "full":
+        assert set(stats.rho_hist) == {1.0} and stats.keep_ratio == 1.0
+    if policy.startswith("static"):
+        assert set(stats.rho_hist) == {float(policy[6:])}
+
+
+def test_dcut_visits_several_rhos(pair):
+    """The synthetic table really makes dcut switch between budgets (else the dcut cases above
+    would test one static budget)."""
+    _, target, drafter, _ = pair
+    _, stats, _ = run(target, drafter, POLICIES["dcut"](), 3, prompts_for(3), MAX_NEW)
+    assert len([r for r in stats.rho_hist if r > 0]) >= 2
+
+
+@pytest.mark.parametrize("max_new", [7, 13])
+def test_max_new_tokens_cuts_a_block_losslessly(pair, max_new):
+    _, target, drafter, _ = pair
+    prompts = prompts_for(3)
+    ref, _, _ = run(target, None, Policy.ar(), 3, prompts, max_new)
+    assert all(len(o) == max_new for o in ref)
+    for name in ("full", "static0.5", "dcut"):
+        outputs, stats, _ = run(target, drafter, POLICIES[name](), 3, prompts, max_new)
+        assert outputs == ref, name
+        check_stats(outputs, stats)
+
+
+def test_eos_stops_every_policy_where_ar_stops(pair):
+    """EOS = a token the AR output produces mid-way: every output is the AR output truncated right
+    after its first EOS, for AR and every policy alike."""
+    _, target, drafter, _ = pair
+    prompts = prompts_for(3)
+    free, _, _ = run(target, None, Policy.ar(), 3, prompts, MAX_NEW)
+    eos = free[1][MAX_NEW // 2]
+    expected = truncate_at_eos(free, eos)
+    assert any(len(e) < MAX_NEW for e in expected) and expected != free
+    for name in ["ar", *POLICIES]:
+        pol = Policy.ar() if name == "ar" else POLICIES[name]()
+        outputs, stats, _ = run(target, None if name == "ar" else drafter, pol, 3, prompts, MAX_NEW,
+                                eos=[eos])
+        assert outputs == expected, name
+        check_stats(outputs, stats)
+
+
+# ---- an agreeing drafter --------------------------------------------------------------------------
+
+
+TRAIN_STEPS = 300
+AGREE_MASK_ID = 95
+
+
+@pytest.fixture(scope="session")
+def agreeing_pair(tmp_path_factory):
+    """(target, drafter): a tiny llama target that falls into runs of repeated tokens and short
+    transitions between them, and a 1-layer DFlash drafter trained against it for TRAIN_STEPS steps
+    (~15-40 s) on its own greedy continuations, with the functions of tools/train_drafter.py.
+
+    The target: scale-3 random weights, embedding x3 plus one shared direction (x2). The shared
+    direction gives every token a common key component, so the drafter can learn "attend to the anchor"
+    quickly; the large embedding makes the target repeat its input often."""
+    path = tmp_path_factory.mktemp("agree") / "target"
+    hf = make_model(path, "llama", seed=0, scale=3.0)
+    # Imported after transformers has loaded torch._dynamo: tools/train_drafter.py puts tools/ first on
+    # sys.path, where tools/profile.py would shadow the standard library's `profile` (cProfile).
+    from tools.train_drafter import build_drafter, drafter_loss, target_features
+    with torch.no_grad():
+        emb = hf.model.embed_tokens.weight
+        emb.mul_(3.0).add_(2.0 * torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(7)))
+    hf.save_pretrained(path)
+    target = load_target(path)
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 95, (8,), generator=g).tolist() for _ in range(128)]
+    gens, _, _ = run(target, None, Policy.ar(), 64, prompts, 56, max_seq=80)
+    seqs = torch.tensor([p + o for p, o in zip(prompts, gens)])  # [128, 64]
+    args = types.SimpleNamespace(layers=1, block_size=16, intermediate_size=None, anchors=8, decay=7.0)
+    torch.manual_seed(0)
+    drafter = build_drafter(args, target.cfg, AGREE_MASK_ID)
+    feats, labels = target_features(target, seqs, drafter.taps)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95))
+    for _ in range(TRAIN_STEPS):
+        idx = torch.randint(0, len(seqs), (8,), generator=g)
+        loss, _ = drafter_loss(drafter, target, feats[idx], seqs[idx], labels[idx], args, g)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+    return target, drafter.eval().requires_grad_(False)
+
+
+def agree_prompts(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 95, (L,), generator=g).tolist() for L in PROMPT_LENS[:n]]
+
+
+AGREE_MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def agree_refs(agreeing_pair):
+    target, _ = agreeing_pair
+    return {B: run(target, None, Policy.ar(), B, agree_prompts(2 * B + 1), AGREE_MAX_NEW)[0]
+            for B in BATCH_SIZES}
+
+
+def test_agreeing_drafter_accepts_long_runs(agreeing_pair, agree_refs):
+    """The trained drafter really exercises long accepted runs: tau well above 1 and blocks of 8+
+    committed tokens, with outputs still equal to AR."""
+    target, drafter = agreeing_pair
+    outputs, stats, engine = run(target, drafter, Policy.full(), 3, agree_prompts(7), AGREE_MAX_NEW,
+                                 engine_cls=RecordingEngine)
+    assert outputs == agree_refs[3]
+    assert stats.tau >= 2.5, stats.tau
+    lengths = [len(b) for blocks in engine.blocks.values() for b in blocks]
+    assert max(lengths) >= 12 and sum(n >= 8 for n in lengths) >= 5
+    assert sum(n == 1 for n in lengths[1:]) > 0  # and rejections at depth 0 as well
+    check_stats(outputs, stats)
+
+
+@pytest.mark.parametrize("B", BATCH_SIZES)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_agreeing_drafter_outputs_equal_ar(agreeing_pair, agree_refs, policy, B):
+    target, drafter = agreeing_pair
+    outputs, stats, _ = run(target, drafter, POLICIES[policy](), B, agree_prompts(2 * B + 1),
+                            AGREE_MAX_NEW)
+    assert outputs == agree_refs[B]
+    check_stats(outputs, stats)
+    assert stats.tau > 1.5
+
+
+@pytest.mark.parametrize("max_new", [7, 13])
+def test_agreeing_drafter_max_new_tokens_inside_a_block(agreeing_pair, max_new):
+    target, drafter = agreeing_pair
+    prompts = agree_prompts(7)
+    ref, _, _ = run(target, None, Policy.ar(), 3, prompts, max_new)
+    for name in POLICIES:
+        outputs, stats, engine = run(target, drafter, POLICIES[name](), 3, prompts, max_new,
+                                     engine_cls=RecordingEngine)
+        assert outputs == ref, name
+        assert all(len(o) == max_new for o in outputs)
+        check_stats(outputs, stats)
+        if name == "full":
+            assert cut_inside_block(engine, outputs) > 0
+
+
+def eos_inside_block(agreeing_pair) -> tuple[int, list[list[int]]]:
+    """A token that the full policy commits in the MIDDLE of an accepted block, the first time it
+    occurs in that request's output; and the AR outputs without EOS."""
+    target, drafter = agreeing_pair
+    prompts = agree_prompts(7)
+    free, _, _ = run(target, None, Policy.ar(), 3, prompts, AGREE_MAX_NEW)
+    _, _, engine = run(target, drafter, Policy.full(), 3, prompts, AGREE_MAX_NEW, engine_cls=RecordingEngine)
+    for i, blocks in engine.blocks.items():
+        done = 0
+        for b in blocks:
+            for j, tok in enumerate(b[:-1]):
+                if tok not in free[i][: done + j] and done + j >= 2:
+                    return tok, free
+            done += len(b)
+    raise AssertionError("no token first occurs inside a block")
+
+
+def test_agreeing_drafter_eos_inside_a_verified_block(agreeing_pair):
+    """Generation stops at an EOS that was an accepted draft with more accepted tokens after it in
+    the same block: outputs are the AR outputs truncated right after that EOS, for every policy."""
+    target, drafter = agreeing_pair
+    eos, free = eos_inside_block(agreeing_pair)
+    expected = truncate_at_eos(free, eos)
+    assert expected != free
+    prompts = agree_prompts(7)
+    ar, _, _ = run(target, None, Policy.ar(), 3, prompts, AGREE_MAX_NEW, eos=[eos])
+    assert ar == expected
+    for name in POLICIES:
+        outputs, stats, engine = run(target, drafter, POLICIES[name](), 3, prompts, AGREE_MAX_NEW,
+                                     eos=[eos], engine_cls=RecordingEngine)
+        assert outputs == expected, name
+        check_stats(outputs, stats)
+        if name == "full":
+            assert cut_inside_block(engine, outputs) > 0
+
+
+# ---- finished rows ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["full", "static0.5"])
+def test_finished_rows_stay_inside_the_cache(agreeing_pair, policy):
+    """max_seq = longest prompt + max_new_tokens + block_size is enough for every request (Engine.
+    validate accepts it). A row whose request has finished must not keep advancing its positions
+    past the cache while other rows are still generating."""
+    target, drafter = agreeing_pair
+    prompts = agree_prompts(11)
+    max_seq = max(map(len, prompts)) + AGREE_MAX_NEW + drafter.block_size
+    ref, _, _ = run(target, None, Policy.ar(), 8, prompts, AGREE_MAX_NEW, max_seq=max_seq)
+    outputs, stats, _ = run(target, drafter, POLICIES[policy](), 8, prompts, AGREE_MAX_NEW, max_seq=max_seq)
+    assert outputs == ref
+    check_stats(outputs, stats)
