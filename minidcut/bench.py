@@ -119,8 +119,9 @@ def bench_batch(B, specs, table, target, drafter, prompts, args, console) -> lis
         policy = make_policy(spec, table)
         engines[spec] = Engine(target, drafter if policy.needs_drafter else None, policy, batch_size=B,
                                max_seq=max_seq, eos_ids=[], compile=not args.no_compile)
-        t0 = time.perf_counter()  # warm-up pass: compiles every graph this policy reaches
-        engines[spec].generate(ids[:B], args.max_new_tokens)
+        t0 = time.perf_counter()  # warm-up: compiles every graph this policy can reach
+        engines[spec].warmup()
+        engines[spec].generate(ids[:B], min(args.max_new_tokens, 2 * drafter.block_size))
         rows[spec] = {"warmup_seconds": time.perf_counter() - t0, "runs": []}
     for rep in range(args.repeats):
         for spec in specs:  # interleaved, so drifts of a shared machine hit every policy alike

@@ -190,6 +190,20 @@ class Engine:
         new_pos = (anchor_pos + accepted + 1).clamp(max=self.max_seq - self.block - 1)
         return commit, accepted + 1, bonus[:, 0], new_pos
 
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run (and so compile) every graph this engine's policy can reach, on empty rows."""
+        B, dev = self.B, self.device
+        zero = torch.zeros(B, dtype=torch.long, device=dev)
+        self.graph("verify", 0)(zero, zero, None, None)  # AR steps (rho = 0, skipped drafting)
+        if self.drafter is None or not self.policy.needs_drafter:
+            return
+        drafts, keep_lens = self.graph("draft")(zero, zero, zero, self.policy.cost_vector(B, dev),
+                                                torch.tensor(0.0, device=dev), torch.tensor(1.0, device=dev))[:2]
+        for ri, K in enumerate(self.Ks):
+            if K:
+                self.graph("verify", K)(zero, zero, drafts, keep_lens[ri])
+
     # ---- host side ---------------------------------------------------------------------------
 
     def _prefill(self, slots: list[int], reqs: list[Request]) -> torch.Tensor:

@@ -240,6 +240,8 @@ def main(argv=None):
             opt.step()
             ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
             bar.update(task, advance=1, info=f"loss {ema:.3f} acc@1 {acc1.item():.2f}")
+            if not console.is_terminal and (step + 1) % 50 == 0:  # a log line when not on a terminal
+                console.log(f"step {step + 1}/{args.steps} loss {ema:.3f} acc@1 {acc1.item():.2f}")
     log = {"command": " ".join(["python", "tools/train_drafter.py", *(argv or sys.argv[1:])]),
            "wall_seconds": round(time.time() - t_start, 1), "final_loss_ema": ema,
            "parameters": sum(p.numel() for p in drafter.parameters()),
