@@ -194,15 +194,17 @@ class Engine:
     def warmup(self) -> None:
         """Run (and so compile) every graph this engine's policy can reach, on empty rows."""
         B, dev = self.B, self.device
-        zero = torch.zeros(B, dtype=torch.long, device=dev)
-        self.graph("verify", 0)(zero, zero, None, None)  # AR steps (rho = 0, skipped drafting)
+
+        def zeros():  # a fresh tensor per argument: aliased inputs would be guarded on and recompile
+            return torch.zeros(B, dtype=torch.long, device=dev)
+        self.graph("verify", 0)(zeros(), zeros(), None, None)  # AR steps (rho = 0, skipped drafting)
         if self.drafter is None or not self.policy.needs_drafter:
             return
-        drafts, keep_lens = self.graph("draft")(zero, zero, zero, self.policy.cost_vector(B, dev),
+        drafts, keep_lens = self.graph("draft")(zeros(), zeros(), zeros(), self.policy.cost_vector(B, dev),
                                                 torch.tensor(0.0, device=dev), torch.tensor(1.0, device=dev))[:2]
         for ri, K in enumerate(self.Ks):
             if K:
-                self.graph("verify", K)(zero, zero, drafts, keep_lens[ri])
+                self.graph("verify", K)(zeros(), zeros(), drafts, keep_lens[ri].clone())
 
     # ---- host side ---------------------------------------------------------------------------
 

@@ -100,6 +100,8 @@ def read_prompts(args, tokenizer) -> list[list[int]]:
                 items.append(obj["prompt"])
             else:
                 raise UserError(f'{path}:{n}: expected {{"prompt": "..."}} or {{"input_ids": [...]}}')
+        if not items:
+            raise UserError(f"--prompts file {path} has no prompts")
     items += args.prompt or []
     if not items:
         items = list(BUILTIN_PROMPTS)
@@ -138,6 +140,9 @@ def run(args, console: Console) -> int:
         raise UserError(f"--rho must be in [0, 1], got {args.rho}")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for flag, out in (("--output", args.output), ("--stats", args.stats)):
+        if out and not Path(out).resolve().parent.is_dir():
+            raise UserError(f"{flag} {out}: directory {Path(out).resolve().parent} does not exist")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UserError("--temperature must be >= 0 and --top-p in (0, 1]")
     torch.manual_seed(args.seed)

@@ -28,7 +28,7 @@ from tiny import make_drafter, make_model
 FAMILIES = ["llama", "qwen3_moe"]
 BATCH_SIZES = [1, 3, 8]
 PROMPT_LENS = [5, 17, 9, 30, 3, 12, 1, 22, 7, 14, 2]  # ragged; more prompts than rows: rows are refilled
-MAX_NEW = 24
+MAX_NEW = 16
 # A cache with room to spare: rows whose request has finished keep stepping and advancing their
 # positions (see test_finished_rows_stay_inside_the_cache); these tests are about the tokens.
 MAX_SEQ = 512
@@ -77,15 +77,13 @@ def run(target, drafter, policy, B, prompts, max_new, eos=(), max_seq=MAX_SEQ, e
     return outputs, stats, engine
 
 
-def check_stats(outputs, stats, steps_expected_positive=True):
+def check_stats(outputs, stats):
     """Stats invariants that hold for every run."""
     assert stats.generated_tokens == sum(len(o) for o in outputs)
     assert stats.requests == len(outputs) == stats.finished
     assert 0.0 <= stats.keep_ratio <= 1.0
-    assert sum(stats.rho_hist.values()) == stats.steps
+    assert sum(stats.rho_hist.values()) == stats.steps > 0
     assert stats.tau >= 1.0
-    if steps_expected_positive:
-        assert stats.steps > 0
 
 
 def truncate_at_eos(outputs, eos: int) -> list[list[int]]:
@@ -157,7 +155,7 @@ def test_dcut_visits_several_rhos(pair):
 
 
 @pytest.mark.parametrize("max_new", [7, 13])
-def test_max_new_tokens_cuts_a_block_losslessly(pair, max_new):
+def test_small_max_new_tokens_equal_ar(pair, max_new):
     _, target, drafter, _ = pair
     prompts = prompts_for(3)
     ref, _, _ = run(target, None, Policy.ar(), 3, prompts, max_new)

@@ -1,0 +1,256 @@
+"""The CLI `python -m minidcut.generate` on a tiny target with its own tokenizer and a tiny drafter:
+what it writes (--output JSONL, --stats JSON), where it reads prompts from (--prompt, --prompts JSONL
+with text and token ids), and how it refuses bad input: one line on stderr that starts with "error:",
+exit status 2, no traceback.
+
+Runs main(argv) in-process (fast); one test runs the module as a user does, in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minidcut import generate
+from minidcut.cost_model import CostTable
+from minidcut.engine import Engine
+from minidcut.loader import load_target
+from minidcut.policy import Policy
+from tiny import hf_config, make_drafter, make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = {
+    "a.py": "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n",
+    "b.py": "import os\n\n\ndef list_files(root):\n    return sorted(os.listdir(root))\n" * 3,
+    "c.txt": "the quick brown fox jumps over the lazy dog\n" * 5,
+    "d.py": "for i in range(10):\n    print(i, i * i)\n" * 4,
+}
+GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Directories: target (tiny llama + its BPE tokenizer), drafter, a cost table, and two drafters
+    that do not fit the target (hidden size, vocabulary)."""
+    from tools.train_tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name, text in CORPUS.items():
+        (corpus / name).write_text(text)
+    tok = train_tokenizer(corpus, vocab_size=300)
+    target = root / "target"
+    hf = make_model(target, "llama", vocab_size=len(tok))
+    tok.save_pretrained(target)
+    mask = tok.convert_tokens_to_ids("<|mask|>")
+    make_drafter(root / "drafter", hf.config, mask_token_id=mask)
+    make_model(root / "target_notok", "llama", vocab_size=len(tok))  # no tokenizer files
+    make_drafter(root / "drafter_h32", hf_config("llama", vocab_size=len(tok), hidden_size=32),
+                 mask_token_id=mask)
+    make_drafter(root / "drafter_v", hf_config("llama", vocab_size=len(tok) + 7), mask_token_id=mask)
+    table = CostTable([1, 2, 4], GRID, [[1.0 + 0.01 * r * b for r in GRID] for b in (1, 2, 4)])
+    table.save(root / "table.json")
+    return {"root": root, "target": target, "drafter": root / "drafter", "table": root / "table.json",
+            "target_notok": root / "target_notok", "drafter_h32": root / "drafter_h32", "drafter_v": root / "drafter_v", "tok": tok,
+            "vocab": len(tok)}
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    """main(argv) in-process -> (exit status, stdout, stderr)."""
+    try:
+        code = generate.main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def base(models, *extra) -> list:
+    return ["--target", models["target"], "--no-compile", "--quiet", *extra]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+TEXTS = ["def add(a, b):\n", "class Stack:\n", "import os\n"]
+
+
+def test_output_jsonl_has_index_ids_and_text_in_input_order(models, capsys, tmp_path):
+    out = tmp_path / "out.jsonl"
+    args = [a for t in TEXTS for a in ("--prompt", t)]
+    code, _, err = cli(capsys, *base(models, "--drafter", models["drafter"], "--policy", "static",
+                                     "--rho", "0.5", "--batch-size", "2", "--max-new-tokens", "9",
+                                     "--output", out, *args))
+    assert code == 0, err
+    recs = read_jsonl(out)
+    assert [r["index"] for r in recs] == [0, 1, 2]
+    tok = models["tok"]
+    assert all(len(r["output_ids"]) == 9 for r in recs)
+    assert all(r["text"] == tok.decode(r["output_ids"]) for r in recs)
+    # In input order, and lossless: each record is AR decoding of ITS prompt.
+    target = load_target(models["target"])
+    prompts = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    ar, _ = Engine(target, None, Policy.ar(), batch_size=1, max_seq=64, compile=False).generate(prompts, 9)
+    assert [r["output_ids"] for r in recs] == ar
+
+
+def test_stats_json_reports_the_run(models, capsys, tmp_path):
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    code, _, err = cli(capsys, *base(models, "--drafter", models["drafter"], "--policy", "dcut",
+                                     "--cost-table", models["table"], "--batch-size", "2",
+                                     "--max-new-tokens", "12", "--output", out, "--stats", stats,
+                                     *[a for t in TEXTS for a in ("--prompt", t)]))
+    assert code == 0, err
+    s = json.loads(stats.read_text())
+    for key in ("policy", "batch_size", "requests", "generated_tokens", "decode_seconds",
+                "tokens_per_second", "tau", "keep_ratio", "rho_histogram", "steps"):
+        assert key in s, key
+    assert s["policy"] == "dcut" and s["batch_size"] == 2 and s["requests"] == 3
+    assert s["generated_tokens"] == sum(len(r["output_ids"]) for r in read_jsonl(out)) == 36
+    assert s["decode_seconds"] > 0 and s["tokens_per_second"] > 0
+    assert s["tau"] >= 1 and 0 <= s["keep_ratio"] <= 1
+    assert sum(s["rho_histogram"].values()) == s["steps"] > 0
+    assert {float(k) for k in s["rho_histogram"]} <= set(GRID)
+
+
+def test_prompts_file_mixes_text_and_token_ids(models, capsys, tmp_path):
+    ids = [5, 17, 42, 99, 3]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": TEXTS[0]}) + "\n\n" + json.dumps({"input_ids": ids}) + "\n"
+                    + json.dumps({"prompt": TEXTS[2]}) + "\n")
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    code, _, err = cli(capsys, *base(models, "--policy", "ar", "--prompts", path, "--batch-size", "2",
+                                     "--max-new-tokens", "6", "--output", out, "--stats", stats))
+    assert code == 0, err
+    recs = read_jsonl(out)
+    tok = models["tok"]
+    prompts = [tok.encode(TEXTS[0], add_special_tokens=False), ids, tok.encode(TEXTS[2], add_special_tokens=False)]
+    target = load_target(models["target"])
+    ar, _ = Engine(target, None, Policy.ar(), batch_size=1, max_seq=64, compile=False).generate(prompts, 6)
+    assert [r["index"] for r in recs] == [0, 1, 2]
+    assert [r["output_ids"] for r in recs] == ar
+    s = json.loads(stats.read_text())
+    assert s["policy"] == "ar" and s["requests"] == 3 and s["tau"] == 1.0
+
+
+def test_every_policy_writes_the_same_tokens(models, capsys, tmp_path):
+    """Through the CLI too, the policies differ in speed only (greedy)."""
+    runs = {}
+    for name, extra in {"ar": [], "full": [], "static": ["--rho", "0.25"],
+                        "dcut": ["--cost-table", models["table"]]}.items():
+        out = tmp_path / f"{name}.jsonl"
+        drafter = [] if name == "ar" else ["--drafter", models["drafter"]]
+        code, _, err = cli(capsys, *base(models, *drafter, "--policy", name, *extra, "--batch-size", "2",
+                                         "--max-new-tokens", "10", "--output", out,
+                                         *[a for t in TEXTS for a in ("--prompt", t)]))
+        assert code == 0, err
+        runs[name] = [r["output_ids"] for r in read_jsonl(out)]
+    assert runs["full"] == runs["static"] == runs["dcut"] == runs["ar"]
+
+
+def test_without_quiet_prints_completions_and_a_summary_table(models, capsys):
+    code, out, err = cli(capsys, "--target", models["target"], "--no-compile", "--policy", "ar",
+                         "--prompt", TEXTS[0], "--max-new-tokens", "4")
+    assert code == 0, err
+    assert "minidcut.generate" in out and "tau" in out and TEXTS[0].strip() in out
+
+
+def assert_one_line_error(code, err, *needles):
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def bad_jsonl(tmp_path, text: str) -> Path:
+    p = tmp_path / "bad.jsonl"
+    p.write_text(text)
+    return p
+
+
+# name -> (argv given the fixture and tmp_path, words the message must contain)
+BAD_INPUT = {
+    "missing_target_dir": (lambda m, t: ["--target", t / "nope", "--policy", "ar", "--no-compile",
+                                         "--quiet", "--prompt", "x"], ["nope"]),
+    "rho_above_1": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "static", "--rho", "1.5",
+                                      "--prompt", "x"), ["--rho", "1.5"]),
+    "rho_below_0": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "static", "--rho", "-0.1",
+                                      "--prompt", "x"), ["--rho"]),
+    "static_without_rho": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "static",
+                                             "--prompt", "x"), ["--rho"]),
+    "drafting_policy_without_drafter": (lambda m, t: base(m, "--policy", "full", "--prompt", "x"),
+                                        ["--drafter"]),
+    "empty_prompt": (lambda m, t: base(m, "--policy", "ar", "--prompt", ""), ["empty"]),
+    "empty_input_ids": (lambda m, t: base(m, "--policy", "ar", "--prompts",
+                                          bad_jsonl(t, '{"input_ids": []}\n')), ["empty"]),
+    "prompt_plus_new_tokens_beyond_context": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x",
+                                                                "--max-new-tokens", "600"), ["512"]),
+    "drafter_hidden_size_mismatch": (lambda m, t: base(m, "--drafter", m["drafter_h32"], "--policy", "full",
+                                                       "--prompt", "x"), ["hidden_size"]),
+    "drafter_vocab_mismatch": (lambda m, t: base(m, "--drafter", m["drafter_v"], "--policy", "full",
+                                                 "--prompt", "x"), ["vocab"]),
+    "malformed_jsonl_line": (lambda m, t: base(m, "--policy", "ar", "--prompts",
+                                               bad_jsonl(t, '{"prompt": "ok"}\n{"prompt": \n')), [":2:"]),
+    "jsonl_line_without_prompt": (lambda m, t: base(m, "--policy", "ar", "--prompts",
+                                                    bad_jsonl(t, '{"text": "x"}\n')), [":1:"]),
+    "missing_prompts_file": (lambda m, t: base(m, "--policy", "ar", "--prompts", t / "none.jsonl"),
+                             ["none.jsonl"]),
+    "token_id_outside_vocab": (lambda m, t: base(m, "--policy", "ar", "--prompts",
+                                                 bad_jsonl(t, '{"input_ids": [1, 100000]}\n')), ["100000"]),
+    "missing_cost_table": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "dcut", "--prompt", "x",
+                                             "--cost-table", t / "no_table.json"), ["no_table.json"]),
+    "batch_size_0": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--batch-size", "0"),
+                     ["--batch-size"]),
+    "negative_temperature": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--temperature", "-1"),
+                             ["--temperature"]),
+    "max_new_tokens_0": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--max-new-tokens", "0"),
+                         ["max_new_tokens"]),
+    "unknown_dtype": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--dtype", "float64"),
+                      ["float64"]),
+    "rho_grid_outside_0_1": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "dcut", "--prompt", "x",
+                                               "--rhos", "0,2", "--cost-table", m["table"]), ["0,2"]),
+    "missing_drafter_dir": (lambda m, t: base(m, "--drafter", t / "nodrafter", "--policy", "full",
+                                              "--prompt", "x"), ["nodrafter"]),
+    "corrupt_cost_table": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "dcut", "--prompt", "x",
+                                             "--cost-table", bad_jsonl(t, '{"batch_sizes": [1]}')), ["bad.jsonl"]),
+    "text_prompt_without_tokenizer": (lambda m, t: ["--target", m["target_notok"], "--no-compile", "--quiet",
+                                                    "--policy", "ar", "--prompt", "x"], ["tokenizer"]),
+    # An empty prompt file is a mistake; falling back to the built-in demo prompts hides it.
+    "prompts_file_without_prompts": (lambda m, t: base(m, "--policy", "ar", "--max-new-tokens", "2",
+                                                       "--prompts", bad_jsonl(t, "\n\n")), ["bad.jsonl"]),
+    # Found out before the run, not by a traceback after it.
+    "output_in_missing_directory": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--max-new-tokens", "2",
+                                                      "--output", t / "nodir" / "out.jsonl"), ["nodir"]),
+    "stats_in_missing_directory": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--max-new-tokens", "2",
+                                                     "--stats", t / "nodir" / "stats.json"), ["nodir"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_error_line_and_exit_2(models, capsys, tmp_path, case):
+    argv, needles = BAD_INPUT[case]
+    code, out, err = cli(capsys, *argv(models, tmp_path))
+    assert_one_line_error(code, err, *needles)
+    assert out == ""
+
+
+def test_unknown_policy_is_a_usage_error(models, capsys):
+    code, _, err = cli(capsys, *base(models, "--policy", "eagle", "--prompt", "x"))
+    assert code == 2
+    assert "invalid choice" in err and "eagle" in err and "Traceback" not in err
+
+
+def test_module_entry_point_exits_2_with_one_error_line(models):
+    """`python -m minidcut.generate` as a user runs it: the status of main() is the process's."""
+    done = subprocess.run([sys.executable, "-m", "minidcut.generate", *map(str, base(
+        models, "--drafter", models["drafter"], "--policy", "static", "--rho", "2", "--prompt", "x"))],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(done.returncode, done.stderr, "--rho")

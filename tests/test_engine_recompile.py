@@ -1,0 +1,123 @@
+"""One compiled graph per (batch bucket, rho) (PAPER.md section 3 step 6): once every bucket of the
+policy's grid has run, a long dcut run that switches between budgets step by step never recompiles.
+
+Two variants of the same check, on one tiny llama and one compiled dcut Engine at B = 2:
+- unmarked: torch.compile with the `eager` backend. Dynamo traces and guards exactly as with inductor
+  (recompiles are a dynamo matter), without inductor's ~30-60 s per graph on this CPU;
+- @slow: the engine's own torch.compile call (inductor, mode="reduce-overhead"), 6 graphs, ~3-8 min
+  with a cold compile_cache/.
+And Engine.warmup() must leave nothing for a real run to compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minidcut import dcut
+from minidcut.cost_model import CostTable
+from minidcut.engine import Engine
+from minidcut.loader import load_drafter, load_target
+from minidcut.policy import Policy
+from tiny import BASE, make_drafter, make_model
+
+B = 2
+GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
+LENGTHS = (5, 17, 9, 30, 3, 12)  # 6 prompts at B = 2: rows are refilled twice
+NEW_TOKENS = 80  # ~6 * 80 / 2 > 200 steps
+MAX_SEQ = 160
+
+
+def mixed_table() -> CostTable:
+    """Cost grows slowly with rho: with a random drafter dcut switches between several budgets."""
+    return CostTable([B], GRID, [[1.0 + 0.02 * r * B for r in GRID]])
+
+
+def forcing_table(rho: float) -> CostTable:
+    """Every rho but `rho` costs 1000x: dcut chooses `rho` at every drafting step."""
+    return CostTable([B], GRID, [[1.0 if r == rho else 1000.0 for r in GRID]])
+
+
+@pytest.fixture
+def tiny_pair(tmp_path):
+    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)  # a smaller graph compiles faster
+    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
+    target = load_target(tmp_path / "target")
+    return target, load_drafter(tmp_path / "drafter", target)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def prompts_and_ar(target):
+    """Ragged prompts and their AR outputs (eager). Run before the compiled engine exists, with the
+    same B and max_seq: the engines then share the cache tensors the compiled graphs read."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, BASE["vocab_size"], (L,), generator=g).tolist() for L in LENGTHS]
+    ar, _ = Engine(target, None, Policy.ar(), batch_size=B, max_seq=MAX_SEQ, eos_ids=[],
+                   compile=False).generate(prompts, NEW_TOKENS)
+    return prompts, ar
+
+
+def check_no_recompile_after_warm_up(target, drafter):
+    prompts, ar = prompts_and_ar(target)
+
+    policy = Policy.dcut(mixed_table(), GRID)
+    engine = Engine(target, drafter, policy, batch_size=B, max_seq=MAX_SEQ, eos_ids=[], compile=True)
+    Ks = {dcut.budget(r, B, engine.D) for r in GRID}
+    assert len(Ks) == len(GRID)  # 0, 8, 15, 22, 30: five verify buckets
+    # Warm-up: every bucket of the grid, forced in turn (rho = 0 long enough for dcut to stop drafting,
+    # so the AR verify graph also runs without drafts), then the mixed table once.
+    for rho in GRID:
+        policy.table = forcing_table(rho)
+        warm, stats = engine.generate(prompts[:2], 12)
+        assert set(stats.rho_hist) == {rho}
+        assert warm == [o[:12] for o in ar[:2]]
+    policy.table = mixed_table()
+    engine.generate(prompts[:2], 12)
+    assert {k for kind, _, k in engine.graphs if kind == "verify"} == Ks
+
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outputs, stats = engine.generate(prompts, NEW_TOKENS)
+    assert outputs == ar
+    assert stats.steps >= 200
+    assert len([r for r in stats.rho_hist if r > 0]) >= 2  # the run switched between drafting budgets
+    assert sum(stats.rho_hist.values()) == stats.steps
+
+
+@pytest.fixture
+def eager_backend(monkeypatch):
+    """torch.compile with backend="eager": dynamo traces, guards and counts recompiles as usual."""
+    real_compile = torch.compile
+
+    def compile_eager(fn, *, mode=None, fullgraph=False, dynamic=None, **_):
+        return real_compile(fn, backend="eager", fullgraph=fullgraph, dynamic=dynamic)
+
+    monkeypatch.setattr(torch, "compile", compile_eager)
+
+
+def test_dcut_switching_rho_never_recompiles_after_warm_up(tiny_pair, fresh_dynamo, eager_backend):
+    check_no_recompile_after_warm_up(*tiny_pair)
+
+
+def test_engine_warmup_compiles_every_graph_a_dcut_run_reaches(tiny_pair, fresh_dynamo, eager_backend):
+    """Engine.warmup() promises every graph the policy can reach: after it, a dcut run that switches
+    budgets (rho = 0 included, with and without drafting) never compiles again."""
+    target, drafter = tiny_pair
+    prompts, ar = prompts_and_ar(target)
+    engine = Engine(target, drafter, Policy.dcut(mixed_table(), GRID), batch_size=B, max_seq=MAX_SEQ,
+                    eos_ids=[], compile=True)
+    engine.warmup()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outputs, stats = engine.generate(prompts, NEW_TOKENS)
+    assert outputs == ar
+    assert 0.0 in stats.rho_hist and len(stats.rho_hist) >= 3
+
+
+@pytest.mark.slow
+def test_dcut_switching_rho_never_recompiles_after_warm_up_inductor(tiny_pair, fresh_dynamo):
+    check_no_recompile_after_warm_up(*tiny_pair)
