@@ -120,7 +120,9 @@ class Engine:
             use_compile_cache()
             # One graph per (B, K): more cache entries than dynamo's default of 8 per function, and
             # never a silent fall back to eager when they run out.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            cfg = torch._dynamo.config  # the limits count per function, over the whole process
+            cfg.recompile_limit = max(cfg.recompile_limit, 64) + len(self.Ks) + 2
+            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 256) + len(self.Ks) + 2
             torch._dynamo.config.fail_on_recompile_limit_hit = True
 
     # ---- compiled step functions -------------------------------------------------------------

@@ -156,10 +156,11 @@ def run(args, console: Console) -> int:
     tokenizer = load_tokenizer(args.target)
     prompts = read_prompts(args, tokenizer)
     longest = max(len(p) for p in prompts)
-    if longest + args.max_new_tokens + 16 > target.cfg.max_position_embeddings:
+    block = drafter.block_size if drafter else 1
+    if longest + args.max_new_tokens + block > target.cfg.max_position_embeddings:
         raise UserError(f"prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} exceed the "
                         f"target's context of {target.cfg.max_position_embeddings} positions")
-    max_seq = longest + args.max_new_tokens + (drafter.block_size if drafter else 1) + 1
+    max_seq = longest + args.max_new_tokens + block + 1
     policy = build_policy(args.policy, args.rho, args.rhos, args.gain, not args.no_calibrate,
                           not args.no_skip_drafting, target, drafter, args.target, args.drafter,
                           args.batch_size, max_seq, args.cost_table, args.compile,

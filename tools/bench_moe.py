@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 # Run as a script: import from the repo root, and never let tools/profile.py shadow the stdlib module.
-sys.path[0] = str(Path(__file__).resolve().parent.parent)
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

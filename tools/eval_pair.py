@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 # Run as a script: import from the repo root, and never let tools/profile.py shadow the stdlib module.
-sys.path[0] = str(Path(__file__).resolve().parent.parent)
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -31,7 +31,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from safetensors.torch import save_file
 
 # Run as a script: import from the repo root, and never let tools/profile.py shadow the stdlib module.
-sys.path[0] = str(Path(__file__).resolve().parent.parent)
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from tools import corpus  # noqa: E402
 from minidcut.config import DrafterConfig, default_target_layer_ids, parse_model_config  # noqa: E402
@@ -225,7 +226,7 @@ def main(argv=None):
     feats, labels = target_features(target, seqs, drafter.taps)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     warm = max(args.steps // 20, 1)
-    ema = None
+    ema = first = None
     with progress(console) as bar:
         task = bar.add_task("train drafter", total=args.steps, info="")
         for step in range(args.steps):
@@ -238,12 +239,13 @@ def main(argv=None):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
+            first = loss.item() if first is None else first
             ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
             bar.update(task, advance=1, info=f"loss {ema:.3f} acc@1 {acc1.item():.2f}")
             if not console.is_terminal and (step + 1) % 50 == 0:  # a log line when not on a terminal
                 console.log(f"step {step + 1}/{args.steps} loss {ema:.3f} acc@1 {acc1.item():.2f}")
     log = {"command": " ".join(["python", "tools/train_drafter.py", *(argv or sys.argv[1:])]),
-           "wall_seconds": round(time.time() - t_start, 1), "final_loss_ema": ema,
+           "wall_seconds": round(time.time() - t_start, 1), "first_loss": first, "final_loss_ema": ema,
            "parameters": sum(p.numel() for p in drafter.parameters()),
            "target": str(target_dir), "seed": args.seed}
     save_drafter(drafter, Path(args.out), log)
