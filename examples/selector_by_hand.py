@@ -60,20 +60,21 @@ with torch.inference_mode():
     cost = torch.tensor(table.costs(B, RHOS))
     best = int(dcut.choose_rho(gain, cost))
 
-t = Table(title="c[i, k]: drafter confidence of each draft (row = request, column = depth k)")
+t = Table(title="c[i, k] in %: drafter confidence of each draft (row = request, column = depth k)")
 t.add_column("i")
 for k in range(1, D + 1):
     t.add_column(str(k), justify="right")
 for i in range(B):
-    t.add_row(str(i), *[f"{c:.2f}" for c in conf[i].tolist()])
+    t.add_row(str(i), *[f"{100 * c:.0f}" for c in conf[i].tolist()])
 console.print(t)
-t = Table(title="s[i, k] = prod_{j<=k} c[i, j]; [bold green]green[/] = kept at rho*")
+shown = best if Ks[best] else RHOS.index(0.5)  # at rho* = 0 nothing is kept: show rho = 0.5 instead
+t = Table(title=f"s[i, k] = prod_{{j<=k}} c[i, j] in %; [bold green]green[/] = kept at rho = {RHOS[shown]:g}")
 t.add_column("i")
 for k in range(1, D + 1):
     t.add_column(str(k), justify="right")
 for i in range(B):
-    kl = int(keep[best, i])
-    t.add_row(str(i), *[f"[bold green]{s:.2f}[/]" if k < kl else f"{s:.2f}"
+    kl = int(keep[shown, i])
+    t.add_row(str(i), *[f"[bold green]{100 * s:.0f}[/]" if k < kl else f"{100 * s:.0f}"
                         for k, s in enumerate(log_s[i].exp().tolist())])
 console.print(t)
 t = Table(title="every rho: K = round(rho * B * D), keep_len per request, gain / cost")
@@ -86,11 +87,12 @@ console.print(t)
 
 # Steps 6-7: pack anchor + kept prefixes into T tokens, verify with the target, accept.
 with torch.inference_mode():
-    commit, n_commit, _, _ = engine._verify(anchor, anchor_pos, drafts, keep[best], Ks[best])
-t = Table(title=f"verification at rho* = {RHOS[best]:g}: accepted drafts (+1 bonus) per request")
+    commit, n_commit, _, _ = engine._verify(anchor, anchor_pos, drafts, keep[shown], Ks[shown])
+t = Table(title=f"verification at rho = {RHOS[shown]:g}" + (" (rho*)" if shown == best else " (rho* = 0 would verify "
+          "anchors only)") + ": accepted drafts (+1 bonus) per request")
 for c in ("i", "keep_len", "accepted", "committed text"):
     t.add_column(c)
 for i in range(B):
     n = int(n_commit[i])
-    t.add_row(str(i), str(int(keep[best, i])), str(n - 1), repr(tok.decode(commit[i, :n].tolist())))
+    t.add_row(str(i), str(int(keep[shown, i])), str(n - 1), repr(tok.decode(commit[i, :n].tolist())))
 console.print(t)
