@@ -113,6 +113,9 @@ class Engine:
         target.setup_cache(batch_size, max_seq)
         if drafter is not None:
             drafter.setup_cache(batch_size, max_seq)
+        self.policy.configure(batch_size, self.D)
+        if drafter is not None and self.policy.skip_drafting and not self.policy.drafting_possible:
+            drafter = self.drafter = None  # the cost table rules drafting out at this B: plain AR graphs
         self.taps = drafter.taps if drafter is not None else ()
         self.compile = compile
         self.graphs: dict[tuple, callable] = {}

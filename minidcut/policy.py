@@ -6,7 +6,10 @@
   dcut     rho* = argmax gain(rho) / cost(B, rho) per step, from a measured cost table (PAPER.md s.3),
            plus two additions, each can be switched off:
            - skip drafting: when the last `patience` drafting steps all chose rho = 0 (no budget beats
-             an AR step), stop drafting (it costs time at high B) and re-probe every `probe_every` steps;
+             an AR step), stop drafting (it costs time at high B) and re-probe periodically, at most
+             every `probe_every` steps and rarely enough that probes cost <= PROBE_BUDGET of the time;
+             and when the cost table says that even a drafter whose every kept draft is accepted cannot
+             beat an AR step at this batch size, never draft at all (can_beat_ar);
            - calibration: the drafter's confidences are not probabilities of acceptance; a running
              ratio realized / predicted accepted drafts rescales the gain before rho* is chosen.
 """
@@ -18,6 +21,7 @@ import torch
 from .cost_model import CostTable
 
 DEFAULT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+PROBE_BUDGET = 0.03  # the share of decode time re-probing may cost while drafting is off
 
 
 class Policy:
@@ -35,6 +39,7 @@ class Policy:
         self.calibrate, self.skip_drafting = calibrate, skip_drafting and name == "dcut" and 0.0 in rhos
         self.patience, self.probe_every = patience, probe_every
         self.label_override: str | None = None  # e.g. "dcut:paper" in the benchmark
+        self.drafting_possible, self._period = self.needs_drafter, probe_every
         self.reset()
 
     @classmethod
@@ -74,12 +79,37 @@ class Policy:
         costs = self.table.costs(B, self.rhos) if self.table else [1.0] * len(self.rhos)
         return torch.tensor(costs, dtype=torch.float32, device=device)
 
+    def can_beat_ar(self, B: int, D: int) -> bool:
+        """Whether any rho > 0 could out-run an AR step at batch size B even if every kept draft were
+        accepted: max (B + K(rho)) / cost(B, rho) > B / cost(B, 0). Always True without a table or
+        without rho = 0 in the grid (nothing to compare with)."""
+        if self.table is None or 0.0 not in self.rhos:
+            return True
+        ar = B / self.table.cost(B, 0.0)
+        return any((B + round(r * B * D)) / self.table.cost(B, r) > ar for r in self.rhos if r > 0)
+
+    def probe_period(self, B: int) -> int:
+        """Steps between probes while drafting is off: a probe costs cost(B, rho) - cost(B, 0) extra,
+        so it runs rarely enough to stay within PROBE_BUDGET of the AR steps' time."""
+        if self.table is None or 0.0 not in self.rhos or len(self.rhos) < 2:
+            return self.probe_every
+        ar = self.table.cost(B, 0.0)
+        extra = self.table.cost(B, min(r for r in self.rhos if r > 0)) - ar
+        return max(self.probe_every, int(extra / (PROBE_BUDGET * ar)) + 1)
+
+    def configure(self, B: int, D: int) -> None:
+        """Called by the engine with its batch size and draft depth."""
+        self.drafting_possible = self.needs_drafter and (not self.skip_drafting or self.can_beat_ar(B, D))
+        self._period = self.probe_period(B)
+
     def draft_now(self) -> bool:
-        """False while drafting is switched off; every probe_every steps one probe drafts again."""
+        """False while drafting is switched off; every probe period one probe drafts again."""
+        if not self.drafting_possible:
+            return False
         if self._skipped < 0:
             return True
         self._skipped += 1
-        return self._skipped % self.probe_every == 0
+        return self._skipped % self._period == 0
 
     def observe(self, predicted: float | None, realized: int, K: int) -> None:
         """After a step: predicted (uncalibrated expected accepted drafts of the chosen rho, None if the

@@ -110,3 +110,20 @@ def test_calibration_tracks_realized_over_predicted_accepted_drafts():
     for _ in range(50):
         q.observe(10.0, 5, 64)
     assert q.gain_scale == 1.0
+
+
+def test_policy_never_drafts_where_the_table_says_even_perfect_drafts_cannot_beat_ar():
+    # B = 64: an AR step costs 1.0, any drafting step >= 20: even all K accepted cannot pay for it.
+    hopeless = CostTable([64], RHOS, [[1.0, 20.0, 21.0, 22.0, 23.0]])
+    p = Policy.dcut(hopeless, RHOS)
+    p.configure(64, 15)
+    assert not p.drafting_possible and not p.draft_now()
+    p = Policy.dcut(steep_table(), RHOS)
+    p.configure(64, 15)
+    assert p.drafting_possible and p.draft_now()
+
+
+def test_probes_are_rarer_where_drafting_costs_more_than_an_ar_step():
+    p = Policy.dcut(CostTable([1, 64], RHOS, [[1.0, 1.2, 1.3, 1.4, 1.5], [1.0, 8.0, 9.0, 10.0, 11.0]]), RHOS)
+    assert p.probe_period(1) == p.probe_every  # a probe costs 0.2 of an AR step: the floor applies
+    assert p.probe_period(64) >= 7.0 / 0.03  # 7 extra AR steps per probe, <= 3% of the time
