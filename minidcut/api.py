@@ -81,7 +81,7 @@ def build_policy(name: str, rho: float | None = None, rhos=DEFAULT_GRID, gain: s
     else:
         from .profiler import profile
         if log:
-            log(f"[yellow]warning:[/] no cost table for this device/target/drafter/dtype"
+            log("[yellow]warning:[/] no cost table for this device/target/drafter/dtype"
                 + (f" ({path})" if path else "") + f"; measuring a quick one at B = {batch_size} "
                 "(run tools/profile.py for a full table)")
         ctx = max(8, max_seq // 2)

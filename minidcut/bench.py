@@ -26,11 +26,9 @@ from rich.table import Table
 
 from . import dcut
 from .api import load_pair, load_tokenizer
-from .config import ConfigError
 from .cost_model import CostTable, CostTableError, table_path
 from .engine import Engine
-from .generate import DEFAULT_DRAFTER, DEFAULT_TARGET, MODELS, UserError
-from .loader import CheckpointError
+from .generate import DEFAULT_DRAFTER, DEFAULT_TARGET, MODELS, UserError, run_reporting_errors
 from .policy import DEFAULT_GRID, Policy
 from .profiler import profile
 
@@ -250,13 +248,7 @@ def run(args, console: Console) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    console = Console()
-    try:
-        return run(args, console)
-    except (UserError, ConfigError, CheckpointError, CostTableError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_reporting_errors(run, parse_args(argv), Console())
 
 
 if __name__ == "__main__":

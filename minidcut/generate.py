@@ -202,14 +202,21 @@ def run(args, console: Console) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    console = Console(stderr=args.quiet)
+USER_ERRORS = (UserError, ConfigError, CheckpointError, CostTableError, ValueError)
+
+
+def run_reporting_errors(run_fn, args, console: Console) -> int:
+    """Run a CLI body; a user mistake becomes one `error:` line on stderr and exit status 2."""
     try:
-        return run(args, console)
-    except (UserError, ConfigError, CheckpointError, CostTableError, ValueError) as e:
+        return run_fn(args, console)
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return run_reporting_errors(run, args, Console(stderr=args.quiet))
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def block_forward(drafter: DFlashDrafter, target, feats, seqs, anchors):
     """Training forward of the drafter. feats [N, L, n_taps*H]; seqs [N, L]; anchors [N, A] ->
     hidden [N, A, Bs, H] of every block slot (slot 0 is the anchor)."""
     N, L = seqs.shape
-    A, Bs, c = anchors.shape[1], drafter.block_size, drafter.cfg.layers
+    A, Bs = anchors.shape[1], drafter.block_size
     dev = seqs.device
     ctx = drafter.hidden_norm(drafter.fc(feats.float()))  # [N, L, H]
     pos_blk = anchors[..., None] + torch.arange(Bs, device=dev)  # [N, A, Bs]
