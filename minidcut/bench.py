@@ -189,6 +189,32 @@ def print_tables(console: Console, records: list[dict]) -> None:
     console.print(best)
 
 
+def summarize(records: list[dict]) -> dict:
+    """The adaptive policy against the fixed ones, per batch size, and at the crossover: the batch size
+    where full drafting and AR trade places (the measured B whose full/AR ratio is closest to 1
+    among the two around the first sign change; None when one of them wins everywhere)."""
+    out = {"per_batch": {}, "crossover": None}
+    by_b = {B: {r["policy"]: r for r in records if r["batch_size"] == B} for B in sorted({r["batch_size"] for r in records})}
+    for B, rs in by_b.items():
+        fixed = {k: r["tokens_per_second"] for k, r in rs.items() if not k.startswith("dcut")}
+        if "dcut" not in rs or not fixed:
+            continue
+        d = rs["dcut"]["tokens_per_second"]
+        best = max(fixed, key=fixed.get)
+        out["per_batch"][B] = {"best_fixed": best, "dcut_vs_best_fixed": d / fixed[best],
+                               **{f"dcut_vs_{k}": d / fixed[k] for k in ("ar", "full") if k in fixed}}
+    ratios = [(B, rs["full"]["tokens_per_second"] / rs["ar"]["tokens_per_second"])
+              for B, rs in by_b.items() if "full" in rs and "ar" in rs]
+    for (b0, r0), (b1, r1) in zip(ratios, ratios[1:]):
+        if (r0 - 1) * (r1 - 1) <= 0:
+            B = b0 if abs(r0 - 1) <= abs(r1 - 1) else b1
+            out["crossover"] = {"batch_size": B, "between": [b0, b1], "full_vs_ar": dict(ratios)[B],
+                                "dcut_vs_both": out["per_batch"].get(B, {}).get("dcut_vs_best_fixed") and min(
+                                    out["per_batch"][B].get("dcut_vs_ar", 0), out["per_batch"][B].get("dcut_vs_full", 0))}
+            break
+    return out
+
+
 def plot(records: list[dict], path: str, console: Console) -> None:
     try:
         import matplotlib
@@ -236,9 +262,17 @@ def run(args, console: Console) -> int:
     for B in batch_sizes:
         records += bench_batch(B, specs, table, target, drafter, prompts, args, console)
     print_tables(console, records)
+    summary = summarize(records)
+    cross = summary["crossover"]
+    if cross is None:
+        console.print("crossover: none in the measured batch sizes (full drafting and AR do not trade places)")
+    else:
+        both = cross["dcut_vs_both"]
+        console.print(f"crossover: full vs AR = {cross['full_vs_ar']:.2f} at B = {cross['batch_size']}"
+                      + (f"; dcut vs the better of the two: {both:.2f}x" if both else ""))
     result = {"target": args.target, "drafter": args.drafter, "device": str(device), "dtype": str(dtype),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
-              "cost_table": table.to_json() if table else None, "records": records}
+              "cost_table": table.to_json() if table else None, "summary": summary, "records": records}
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
         console.print(f"wrote {args.output}")

@@ -91,5 +91,5 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype)
         for layer, cache in zip(self.layers, self.caches):
             x = layer(x, cos, sin, (cache.k, cache.v), layout)
-        h = self.norm(x).view(b, Bs, -1)[:, 1:]  # [b, D, H]
-        return target.lm_head(h)  # [b, D, V]
+        h = self.norm(x).view(b, Bs, -1)[:, 1:].reshape(b * (Bs - 1), -1)  # [b*D, H], contiguous:
+        return target.lm_head(h).view(b, Bs - 1, -1)  # [b, D, V]  (a 3-D strided input makes a slow bmm)

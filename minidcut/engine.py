@@ -145,9 +145,9 @@ class Engine:
         anchor, anchor_pos, limit [B]; cost [n_rho]; n_live, scale [] (calibration of the gain) ->
         drafts [B, D], keep_len [n_rho, B], rho index [], expected accepted drafts [n_rho],
         log prefix scores [B, D]."""
-        logits = self.drafter(self.target, anchor, anchor_pos).float()  # [B, D, V]
-        top, drafts = logits.max(dim=-1)  # [B, D]: the greedy drafts
-        conf = torch.exp(top - torch.logsumexp(logits, dim=-1))  # [B, D] softmax prob of each draft
+        logits = self.drafter(self.target, anchor, anchor_pos)  # [B, D, V]
+        # The greedy drafts and their softmax probabilities [B, D]: one fused softmax pass, then max.
+        conf, drafts = torch.softmax(logits.float(), dim=-1).max(dim=-1)
         log_s = dcut.prefix_scores(conf, limit)  # [B, D]
         keep_len = dcut.keep_lens(log_s, self.Ks)  # [n_rho, B]
         gain = dcut.gains(log_s, self.Ks, None)  # [n_rho] expected accepted drafts, uncalibrated
@@ -260,7 +260,7 @@ class Engine:
         dev, B = self.device, self.B
         anchor = torch.zeros(B, dtype=torch.long, device=dev)
         anchor_pos = torch.zeros(B, dtype=torch.long, device=dev)
-        self.policy.reset()
+        self.policy.configure(B, self.D)  # a no-op unless another engine reconfigured a shared policy
         while pending or any(slots):
             t0 = time.perf_counter()
             free = [i for i in range(B) if slots[i] is None][: len(pending)]

@@ -12,6 +12,9 @@
              beat an AR step at this batch size, never draft at all (can_beat_ar);
            - calibration: the drafter's confidences are not probabilities of acceptance; a running
              ratio realized / predicted accepted drafts rescales the gain before rho* is chosen.
+           Both are online state, kept across generate() calls like a serving loop keeps it: a new
+           call starts from what earlier calls learned. The skip state is per batch size (configure()
+           with another B restarts it); calibration belongs to the drafter and stays. reset() forgets all.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Policy:
         self.patience, self.probe_every = patience, probe_every
         self.label_override: str | None = None  # e.g. "dcut:paper" in the benchmark
         self.drafting_possible, self._period = self.needs_drafter, probe_every
+        self._configured: tuple[int, int] | None = None
         self.reset()
 
     @classmethod
@@ -69,8 +73,12 @@ class Policy:
         return f"static:{self.rhos[0]:g}" if self.name == "static" else self.name
 
     def reset(self) -> None:
+        """Forget everything learned online: calibration and the skip-drafting state."""
         self.gain_scale = 1.0  # calibration: realized / predicted accepted drafts (running)
         self._pred = self._real = 0.0
+        self._reset_skip()
+
+    def _reset_skip(self) -> None:
         self._ar_streak = 0  # consecutive drafting steps that chose rho = 0
         self._skipped = -1  # steps since drafting was switched off; -1 while drafting is on
 
@@ -99,6 +107,9 @@ class Policy:
 
     def configure(self, B: int, D: int) -> None:
         """Called by the engine with its batch size and draft depth."""
+        if self._configured != (B, D):  # whether drafting pays depends on B: learn it again
+            self._configured = (B, D)
+            self._reset_skip()
         self.drafting_possible = self.needs_drafter and (not self.skip_drafting or self.can_beat_ar(B, D))
         self._period = self.probe_period(B)
 

@@ -127,3 +127,20 @@ def test_probes_are_rarer_where_drafting_costs_more_than_an_ar_step():
     p = Policy.dcut(CostTable([1, 64], RHOS, [[1.0, 1.2, 1.3, 1.4, 1.5], [1.0, 8.0, 9.0, 10.0, 11.0]]), RHOS)
     assert p.probe_period(1) == p.probe_every  # a probe costs 0.2 of an AR step: the floor applies
     assert p.probe_period(64) >= 7.0 / 0.03  # 7 extra AR steps per probe, <= 3% of the time
+
+
+def test_policy_state_outlives_a_generate_call_but_skip_state_restarts_for_another_batch_size():
+    p = Policy.dcut(steep_table(), RHOS, patience=2, probe_every=5)
+    p.configure(16, 15)
+    p.observe(10.0, 5, 64)  # a calibration sample: half of the predicted drafts were accepted
+    for _ in range(2):  # two drafting steps that chose rho = 0: drafting switches off
+        p.draft_now()
+        p.observe(10.0, 5, 0)
+    p.configure(16, 15)  # what the next generate() call does: nothing is forgotten
+    assert not p.draft_now()
+    scale = p.gain_scale
+    assert scale < 1.0
+    p.configure(64, 15)  # another batch size: the skip decision is learned again, calibration kept
+    assert p.draft_now() and p.gain_scale == scale
+    p.reset()
+    assert p.gain_scale == 1.0

@@ -211,7 +211,7 @@ def agreeing_pair(tmp_path_factory):
     prompts = [torch.randint(2, 95, (8,), generator=g).tolist() for _ in range(128)]
     gens, _, _ = run(target, None, Policy.ar(), 64, prompts, 56, max_seq=80)
     seqs = torch.tensor([p + o for p, o in zip(prompts, gens)])  # [128, 64]
-    args = types.SimpleNamespace(layers=1, block_size=16, intermediate_size=None, anchors=8, decay=7.0)
+    args = types.SimpleNamespace(layers=1, block_size=16, intermediate_size=None, anchors=8, decay=7.0, taps=None)
     torch.manual_seed(0)
     drafter = build_drafter(args, target.cfg, AGREE_MASK_ID)
     feats, labels = target_features(target, seqs, drafter.taps)

@@ -3,6 +3,7 @@ like a z-lab drafter and drafts."""
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -16,12 +17,13 @@ def test_train_drafter_writes_a_zlab_layout_drafter_that_loads_and_lowers_the_lo
     out = tmp_path / "trained"
     train_drafter.main(["--target", str(target), "--out", str(out), "--corpus", str(tmp_path / "corpus"),
                         "--sequences", "16", "--prompt-len", "24", "--seq-len", "64", "--steps", "40",
-                        "--batch-size", "4", "--anchors", "4", "--layers", "1", "--lr", "3e-3"])
+                        "--batch-size", "4", "--anchors", "4", "--layers", "1", "--lr", "3e-3", "--taps", "1,3"])
     log = json.loads((out / "train_log.json").read_text())
     assert log["final_loss_ema"] < log["first_loss"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["block_size"] == 16 and cfg["num_target_layers"] == 4
     assert set(cfg["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3]
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight"} <= keys
@@ -31,3 +33,11 @@ def test_train_drafter_writes_a_zlab_layout_drafter_that_loads_and_lowers_the_lo
     with torch.no_grad():
         logits = d(t, torch.tensor([5]), torch.tensor([0]))
     assert logits.shape == (1, 15, t.cfg.vocab_size)
+
+
+def test_taps_are_checked_against_the_target():
+    assert train_drafter.parse_taps(None, 4) is None
+    assert train_drafter.parse_taps("0,3", 4) == [0, 3]
+    for bad in ("1,4", "-1", "a,b"):
+        with pytest.raises(SystemExit, match="--taps"):
+            train_drafter.parse_taps(bad, 4)

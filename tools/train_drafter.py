@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output drafter directory")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=2, help="number of draft layers")
+    p.add_argument("--taps", default=None,
+                   help="comma-separated target layer ids to tap (default: z-lab's formula, PAPER.md section 2)")
     p.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: target's)")
     p.add_argument("--mask-token", default="<|mask|>", help="mask token (a token of the target's tokenizer)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (overrides --mask-token)")
@@ -168,8 +170,20 @@ def progress(console):
                     console=console, transient=False)
 
 
+def parse_taps(text: str | None, num_layers: int) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        taps = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --taps must be comma-separated integers, got {text!r}") from None
+    if not taps or any(not 0 <= t < num_layers for t in taps):
+        raise SystemExit(f"error: --taps {text!r}: layer ids must be in [0, {num_layers - 1}]")
+    return taps
+
+
 def build_drafter(args, tcfg, mask_id: int) -> DFlashDrafter:
-    taps = default_target_layer_ids(tcfg.num_layers, args.layers)
+    taps = parse_taps(args.taps, tcfg.num_layers) or default_target_layer_ids(tcfg.num_layers, args.layers)
     inter = args.intermediate_size or tcfg.intermediate_size or 3 * tcfg.hidden_size
     layer_cfg = parse_model_config({
         "model_type": "qwen3", "vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size,

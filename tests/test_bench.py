@@ -1,0 +1,57 @@
+"""python -m minidcut.bench on a tiny pair (eager, two batch sizes): it runs every policy, writes JSON
+with the figures the README quotes, and its summary finds the crossover of full drafting and AR."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minidcut import bench
+from minidcut.cost_model import CostTable
+from tiny import make_drafter, make_model
+
+GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def test_bench_runs_every_policy_and_writes_json(tmp_path, capsys):
+    hf = make_model(tmp_path / "target", "llama")
+    make_drafter(tmp_path / "drafter", hf.config)
+    CostTable([1, 2], GRID, [[1.0, 1.5, 1.6, 1.7, 1.8], [1.2, 2.0, 2.2, 2.4, 2.6]]).save(tmp_path / "t.json")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [3 + i, 5, 7, 9]}) + "\n" for i in range(4)))
+    out = tmp_path / "bench.json"
+    code = bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                       "--batch-sizes", "1,2", "--policies", "ar,full,static:0.5,dcut,dcut:paper",
+                       "--prompts", str(prompts), "--num-prompts", "3", "--max-new-tokens", "12",
+                       "--repeats", "1", "--cost-table", str(tmp_path / "t.json"), "--no-compile",
+                       "--output", str(out)])
+    assert code == 0
+    res = json.loads(out.read_text())
+    recs = {(r["batch_size"], r["policy"]): r for r in res["records"]}
+    assert set(recs) == {(B, p) for B in (1, 2) for p in ("ar", "full", "static:0.5", "dcut", "dcut:paper")}
+    for r in recs.values():
+        assert r["generated_tokens"] == 3 * 12 and r["tokens_per_second"] > 0
+    assert recs[(1, "ar")]["speedup_vs_ar"] == 1.0 and recs[(1, "ar")]["tau"] == 1.0
+    assert recs[(2, "full")]["keep_ratio"] == 1.0
+    assert 0 < recs[(2, "dcut")]["select_fraction_of_step"] < 1
+    assert set(res["summary"]["per_batch"]) == {"1", "2"}
+    assert "adaptive vs the best fixed policy" in capsys.readouterr().out
+
+
+def rec(B, policy, tps):
+    return {"batch_size": B, "policy": policy, "tokens_per_second": tps}
+
+
+def test_summary_finds_the_crossover_and_compares_dcut_with_both_sides():
+    records = [rec(1, "ar", 100), rec(1, "full", 150), rec(1, "dcut", 160),
+               rec(4, "ar", 300), rec(4, "full", 290), rec(4, "dcut", 340),
+               rec(16, "ar", 800), rec(16, "full", 300), rec(16, "dcut", 790)]
+    s = bench.summarize(records)
+    assert s["crossover"]["batch_size"] == 4 and s["crossover"]["between"] == [1, 4]
+    assert s["crossover"]["dcut_vs_both"] == pytest.approx(340 / 300)
+    assert s["per_batch"][16]["best_fixed"] == "ar"
+    assert s["per_batch"][16]["dcut_vs_best_fixed"] == pytest.approx(790 / 800)
+    assert s["per_batch"][1]["dcut_vs_full"] == pytest.approx(160 / 150)
+    no_cross = [r for r in records if r["policy"] != "full"] + [rec(B, "full", 10) for B in (1, 4, 16)]
+    assert bench.summarize(no_cross)["crossover"] is None
