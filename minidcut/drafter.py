@@ -5,6 +5,10 @@ mask_token_id, and each slot's argmax is a draft token. The drafter has no embed
 borrows the target's. Its context is the target's hidden states at the tapped layers, fused by
 fc + hidden_norm and projected by every draft layer's own k_proj / v_proj into a context-only KV cache.
 Queries come from the block only; attention is bidirectional over [context ; block].
+
+The fused context features are also kept ([rows, max_seq, H]): while the policy has drafting switched
+off, verification stores them but skips the K/V projections, and the next drafting step catches the
+K/V up from them (sync_context) instead of missing the context of the skipped steps.
 """
 
 from __future__ import annotations
@@ -54,18 +58,31 @@ class DFlashDrafter(nn.Module):
         self.caches = nn.ModuleList()
 
     def setup_cache(self, rows: int, max_seq: int) -> None:
-        """Context K/V per draft layer: [rows, kv_heads, max_seq, head_dim] (kept if already that shape)."""
+        """Context K/V per draft layer [rows, kv_heads, max_seq, head_dim] and the context features
+        [rows, max_seq, H] (kept if already that shape)."""
         if len(self.caches) and self.caches[0].k.shape[0] == rows and self.caches[0].k.shape[2] == max_seq:
             return
         c, w = self.cfg.layers, self.fc.weight
         self.caches = nn.ModuleList(KVCache(rows, c.num_kv_heads, max_seq, c.head_dim, w.dtype, w.device)
                                     for _ in range(c.num_layers))
+        self.register_buffer("feats", torch.zeros(rows, max_seq, c.hidden_size, dtype=w.dtype, device=w.device),
+                             persistent=False)  # fused context features [rows, max_seq, H]
 
-    def add_context(self, taps: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> None:
-        """Write the context K/V of committed tokens. taps [T, n_taps * H]; row, pos [T].
-        Tokens that later turn out rejected leave entries past the committed length: never read
-        (the draft mask stops at the anchor) and overwritten when that position is committed."""
+    def add_context(self, taps: torch.Tensor, row: torch.Tensor, pos: torch.Tensor, kv: bool = True) -> None:
+        """Store the fused context features of verified tokens and (kv=True) write their context K/V.
+        taps [T, n_taps * H]; row, pos [T]. Tokens that later turn out rejected leave entries past the
+        committed length: never read (the draft mask stops at the anchor) and overwritten when that
+        position is committed."""
         feats = self.hidden_norm(self.fc(taps))  # [T, H]
+        self.feats[row, pos] = feats
+        if kv:
+            self._write_kv(feats, row, pos)
+
+    def sync_context(self, row: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write the context K/V at (row, pos) [T] from the stored features (after skipped drafting)."""
+        self._write_kv(self.feats[row, pos], row, pos)
+
+    def _write_kv(self, feats: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> None:
         cos, sin = rope_cos_sin(self.inv_freq, pos, feats.dtype)
         for layer, cache in zip(self.layers, self.caches):
             k, v = layer.self_attn.project_kv(feats, cos, sin)  # [T, n_kv, Dh]

@@ -6,7 +6,8 @@ A step (PAPER.md section 3, steps 1-7):
   host          rho*.item(): the one host sync of the step; it picks the verify graph
   verify graph  pack anchor + kept prefix of every row into T = B + K(rho*) tokens -> target forward ->
                 accept -> commit accepted drafts + bonus -> write the drafter's context K/V  (one graph
-                per (B, K(rho*)))
+                per (B, K(rho*)); while drafting is switched off, an AR variant only stores the
+                drafter's context features, and the next drafting step catches its K/V up)
   host          copy the committed tokens [B, block] once, stop finished requests, admit new ones.
 `ar` runs the verify graph with K = 0 (one token per row) and never drafts.
 """
@@ -130,11 +131,12 @@ class Engine:
 
     # ---- compiled step functions -------------------------------------------------------------
 
-    def graph(self, kind: str, K: int = 0):
-        """The callable for a draft graph (kind 'draft') or a verify graph with K kept drafts."""
-        key = (kind, self.B, K)
+    def graph(self, kind: str, K: int = 0, kv: bool = True):
+        """The callable for a draft graph (kind 'draft') or a verify graph with K kept drafts (kv:
+        whether it writes the drafter's context K/V, or only stores its features)."""
+        key = (kind, self.B, K, kv)
         if key not in self.graphs:
-            fn = self._draft if kind == "draft" else functools.partial(self._verify, K=K)
+            fn = self._draft if kind == "draft" else functools.partial(self._verify, K=K, kv=kv)
             if self.compile:
                 fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
             self.graphs[key] = fn
@@ -154,7 +156,7 @@ class Engine:
         total = scale * gain + (n_live if self.policy.count_anchors else 0)
         return drafts, keep_len, dcut.choose_rho(total, cost), gain, log_s
 
-    def _verify(self, anchor, anchor_pos, drafts, keep_len, K: int):
+    def _verify(self, anchor, anchor_pos, drafts, keep_len, K: int, kv: bool = True):
         """Pack, verify, accept (PAPER.md section 3 step 6-7 and section 4).
         anchor, anchor_pos [B]; drafts [B, D]; keep_len [B] with sum K ->
         commit [B, block] (accepted drafts then the bonus), n_commit [B], new anchor, new anchor_pos."""
@@ -189,7 +191,7 @@ class Engine:
         bonus = choice_grid.gather(1, accepted[:, None])  # [B, 1]
         commit.scatter_(1, accepted[:, None], bonus)
         if self.drafter is not None:
-            self.drafter.add_context(taps, row, pos)
+            self.drafter.add_context(taps, row, pos, kv=kv)
         # Empty rows keep stepping too; the clamp keeps their positions inside the cache (a live
         # row never reaches it: generate() checks prompt + max_new_tokens + block <= max_seq).
         new_pos = (anchor_pos + accepted + 1).clamp(max=self.max_seq - self.block - 1)
@@ -202,7 +204,10 @@ class Engine:
 
         def zeros():  # a fresh tensor per argument: aliased inputs would be guarded on and recompile
             return torch.zeros(B, dtype=torch.long, device=dev)
-        self.graph("verify", 0)(zeros(), zeros(), None, None)  # AR steps (rho = 0, skipped drafting)
+        if self.drafter is None or 0 in self.Ks:  # AR steps; with a drafter: drafting chose rho = 0
+            self.graph("verify", 0)(zeros(), zeros(), None, None)
+        if self.drafter is not None and (self.policy.skip_drafting or not self.policy.needs_drafter):
+            self.graph("verify", 0, kv=False)(zeros(), zeros(), None, None)  # steps that do not draft
         if self.drafter is None or not self.policy.needs_drafter:
             return
         drafts, keep_lens = self.graph("draft")(zeros(), zeros(), zeros(), self.policy.cost_vector(B, dev),
@@ -222,6 +227,19 @@ class Engine:
         if self.drafter is not None:
             self.drafter.add_context(taps, layout.row, layout.pos)
         return sample(logits, self.temperature, self.top_p)
+
+    def _sync_drafter(self, slots: list, synced: list[int]) -> None:
+        """Before drafting: write the drafter's context K/V of positions committed while drafting
+        was off (from the stored features; eager, only after skipped steps)."""
+        rows, pos = [], []
+        for i, r in enumerate(slots):
+            if r is not None:
+                anchor_pos = len(r.prompt) + len(r.output) - 1  # the anchor's position
+                rows += [i] * (anchor_pos - synced[i])
+                pos += range(synced[i], anchor_pos)
+                synced[i] = anchor_pos
+        if pos:
+            self.drafter.sync_context(torch.tensor(rows, device=self.device), torch.tensor(pos, device=self.device))
 
     def _emit(self, req: Request, tokens) -> None:
         """Append tokens to a request until EOS or max_new_tokens (a block can end mid-way: trim)."""
@@ -257,6 +275,7 @@ class Engine:
         pending = collections.deque(reqs)
         stats = Stats(policy=self.policy.label, batch_size=self.B, requests=len(reqs))
         slots: list[Request | None] = [None] * self.B
+        synced = [0] * self.B  # per row: positions below this have the drafter's context K/V
         dev, B = self.device, self.B
         anchor = torch.zeros(B, dtype=torch.long, device=dev)
         anchor_pos = torch.zeros(B, dtype=torch.long, device=dev)
@@ -268,6 +287,7 @@ class Engine:
                 new = [pending.popleft() for _ in free]
                 first = self._prefill(free, new).tolist()
                 for i, r, tok in zip(free, new, first):
+                    synced[i] = len(r.prompt)  # the prefill wrote the prompt's context K/V
                     self._emit(r, [tok])
                     stats.generated_tokens += 1
                     stats.finished += r.done
@@ -284,7 +304,9 @@ class Engine:
             limit = [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in slots]
             t0 = time.perf_counter()
             K, rho = 0, 0.0
-            if self.drafter is not None and self.policy.draft_now():
+            drafting = self.drafter is not None and self.policy.draft_now()
+            if drafting:
+                self._sync_drafter(slots, synced)
                 drafts, keep_lens, rho_idx, gain, log_s = self.graph("draft")(
                     anchor, anchor_pos, torch.tensor(limit, device=dev), self.policy.cost_vector(B, dev),
                     torch.tensor(float(n_live), device=dev), torch.tensor(self.policy.gain_scale, device=dev))
@@ -295,7 +317,10 @@ class Engine:
                 t0 = t1
             else:
                 drafts = keep_len = None
-            commit, n_commit, anchor, anchor_pos = self.graph("verify", K)(anchor, anchor_pos, drafts, keep_len)
+            # A step that drafted writes the drafter's context K/V (the next one will likely draft
+            # too); a step that did not only stores the features (see drafter.sync_context).
+            verify = self.graph("verify", K, kv=drafting or self.drafter is None)
+            commit, n_commit, anchor, anchor_pos = verify(anchor, anchor_pos, drafts, keep_len)
             kept = keep_len if K else torch.zeros_like(n_commit)
             host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1).cpu()  # [B, block + 2]
             anchor, anchor_pos = anchor.clone(), anchor_pos.clone()  # outlive the graph's output buffers
@@ -314,6 +339,8 @@ class Engine:
                 accepted_live += n - 1
                 before = len(r.output)
                 self._emit(r, host[i, :n].tolist())
+                if drafting:  # context K/V now written up to the new anchor
+                    synced[i] = len(r.prompt) + before + n - 1
                 stats.generated_tokens += len(r.output) - before
                 if r.done:
                     stats.finished += 1

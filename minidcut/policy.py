@@ -7,7 +7,8 @@
            plus two additions, each can be switched off:
            - skip drafting: when the last `patience` drafting steps all chose rho = 0 (no budget beats
              an AR step), stop drafting (it costs time at high B) and re-probe periodically, at most
-             every `probe_every` steps and rarely enough that probes cost <= PROBE_BUDGET of the time;
+             every `probe_every` steps and rarely enough that probes cost <= PROBE_BUDGET of the time
+             (and less after failed probes: the period doubles with each, up to MAX_BACKOFF times);
              and when the cost table says that even a drafter whose every kept draft is accepted cannot
              beat an AR step at this batch size, never draft at all (can_beat_ar);
            - calibration: the drafter's confidences are not probabilities of acceptance; a running
@@ -25,6 +26,7 @@ from .cost_model import CostTable
 
 DEFAULT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 PROBE_BUDGET = 0.03  # the share of decode time re-probing may cost while drafting is off
+MAX_BACKOFF = 8  # each failed probe doubles the probe period, up to this factor
 
 
 class Policy:
@@ -81,6 +83,7 @@ class Policy:
     def _reset_skip(self) -> None:
         self._ar_streak = 0  # consecutive drafting steps that chose rho = 0
         self._skipped = -1  # steps since drafting was switched off; -1 while drafting is on
+        self._backoff = 1  # probe period multiplier: doubles with every failed probe
 
     def cost_vector(self, B: int, device) -> torch.Tensor:
         """cost(B, rho) for the grid [n_rho]; flat for fixed policies (a single rho: nothing to choose)."""
@@ -120,7 +123,7 @@ class Policy:
         if self._skipped < 0:
             return True
         self._skipped += 1
-        return self._skipped % self._period == 0
+        return self._skipped >= self._period * self._backoff
 
     def observe(self, predicted: float | None, realized: int, K: int) -> None:
         """After a step: predicted (uncalibrated expected accepted drafts of the chosen rho, None if the
@@ -136,6 +139,8 @@ class Policy:
         if self.skip_drafting:
             self._ar_streak = self._ar_streak + 1 if K == 0 else 0
             if K > 0:
-                self._skipped = -1
-            elif self._ar_streak >= self.patience or self._skipped >= 0:
-                self._skipped = 0  # switch drafting off (or keep it off after a failed probe)
+                self._skipped, self._backoff = -1, 1
+            elif self._skipped >= 0:  # a failed probe: keep drafting off, probe less often
+                self._skipped, self._backoff = 0, min(2 * self._backoff, MAX_BACKOFF)
+            elif self._ar_streak >= self.patience:
+                self._skipped = 0  # switch drafting off

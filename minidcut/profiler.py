@@ -41,7 +41,7 @@ def time_steps(engine: Engine, context_len: int, repeats: int = 5, warmup: int =
             _sync(dev)
             t0 = time.perf_counter()
             if K == 0:
-                commit = engine.graph("verify", 0)(anchor, anchor_pos, None, None)[0]
+                commit = engine.graph("verify", 0, kv=False)(anchor, anchor_pos, None, None)[0]  # a step that skips drafting
             else:
                 drafts, keep_lens, rho_idx = engine.graph("draft")(anchor, anchor_pos, limit, *args)[:3]
                 rho_idx.item()  # the real step's host sync

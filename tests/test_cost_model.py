@@ -86,8 +86,8 @@ def test_skip_drafting_switches_off_after_patience_and_reprobes():
         p.observe(0.1 if d else None, 0, K if d else 0)
     assert drafted[:3] == [True, True, True]
     assert not any(drafted[3:7])  # switched off...
-    assert drafted[7]  # ...and a probe every probe_every steps
-    assert sum(drafted[3:]) == 4
+    assert drafted[7]  # ...then a probe after probe_every steps,
+    assert [i for i, d in enumerate(drafted) if d][3:] == [7, 17]  # the next after twice as many (backoff)
 
 
 def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying():

@@ -79,7 +79,7 @@ def check_no_recompile_after_warm_up(target, drafter):
         assert warm == [o[:12] for o in ar[:2]]
     policy.table = mixed_table()
     engine.generate(prompts[:2], 12)
-    assert {k for kind, _, k in engine.graphs if kind == "verify"} == Ks
+    assert {k for kind, _, k, _ in engine.graphs if kind == "verify"} == Ks
 
     with torch.compiler.set_stance("fail_on_recompile"):
         outputs, stats = engine.generate(prompts, NEW_TOKENS)

@@ -1,0 +1,73 @@
+"""Skipped drafting does not cost the drafter its context: while drafting is off, verification only
+stores the drafter's context features, and the next drafting step writes the missing context K/V from
+them (Engine._sync_drafter). Checked against the K/V computed from scratch over the committed text,
+with a control where the catch-up is switched off (the check must then fail)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minidcut.engine import Engine
+from minidcut.layers import rope_cos_sin
+from minidcut.loader import load_drafter, load_target
+from minidcut.model import prefill_layout
+from minidcut.policy import Policy
+from tiny import make_drafter, make_model
+
+
+class SkipsThenDrafts(Policy):
+    """static rho = 0.5, but the first `skips` steps do not draft (like dcut with drafting switched off)."""
+
+    def __init__(self, skips: int):
+        super().__init__("static", [0.5])
+        self.skip_drafting, self.skips = True, skips
+
+    def draft_now(self) -> bool:
+        self.skips -= 1
+        return self.skips < 0
+
+
+@pytest.fixture
+def pair(tmp_path):
+    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=3)
+    make_drafter(tmp_path / "drafter", hf.config, n_layers=2, target_layer_ids=[0, 2])
+    target = load_target(tmp_path / "target")
+    return target, load_drafter(tmp_path / "drafter", target)
+
+
+def context_kv_error(target, drafter, prompts, outputs) -> float:
+    """Max |drafter context K/V in the cache - K/V from scratch| over every committed position
+    before each row's last anchor."""
+    err = 0.0
+    for row, (p, o) in enumerate(zip(prompts, outputs)):
+        seq = torch.tensor(p + o[:-1])  # positions < the last anchor
+        layout, _ = prefill_layout([0], [len(seq)], seq.device)
+        target.setup_cache(1, 64)
+        _, taps = target(seq, layout, taps=drafter.taps)
+        feats = drafter.hidden_norm(drafter.fc(taps))
+        pos = torch.arange(len(seq))
+        cos, sin = rope_cos_sin(drafter.inv_freq, pos, feats.dtype)
+        for layer, cache in zip(drafter.layers, drafter.caches):
+            k, v = layer.self_attn.project_kv(feats, cos, sin)  # [T, n_kv, Dh]
+            err = max(err, (cache.k[row, :, pos].transpose(0, 1) - k).abs().max().item(),
+                      (cache.v[row, :, pos].transpose(0, 1) - v).abs().max().item())
+    return err
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+@torch.inference_mode()
+def test_drafting_after_skipped_steps_sees_the_whole_context(pair, monkeypatch, catch_up):
+    target, drafter = pair
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 90, (L,), generator=g).tolist() for L in (7, 12)]
+    if not catch_up:
+        monkeypatch.setattr(Engine, "_sync_drafter", lambda self, slots, synced: None)
+    engine = Engine(target, drafter, SkipsThenDrafts(skips=6), batch_size=2, max_seq=64, eos_ids=[], compile=False)
+    outputs, stats = engine.generate(prompts, 24)
+    assert stats.rho_hist[0.0] == 6 and stats.rho_hist[0.5] >= 1  # skipped 6 steps, then drafted
+    err = context_kv_error(target, drafter, prompts, outputs)
+    if catch_up:
+        assert err < 1e-4
+    else:
+        assert err > 1e-2  # the control: without the catch-up, the skipped steps' context is missing
