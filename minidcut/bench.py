@@ -238,9 +238,26 @@ def plot(records: list[dict], path: str, console: Console) -> None:
     console.print(f"wrote {path}")
 
 
-def run(args, console: Console) -> int:
+def check_args(args) -> tuple[list[str], list[int]]:
+    """Policies and batch sizes from the command line; bad values are a one-line error before any work."""
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
-    batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    for spec in specs:
+        make_policy(spec, CostTable([1], [0.0], [[1.0]]))  # raises UserError for an unknown policy
+    try:
+        batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+    except ValueError:
+        raise UserError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
+    if not specs or not batch_sizes or batch_sizes[0] < 1:
+        raise UserError("need at least one policy and batch sizes >= 1")
+    for name in ("max_new_tokens", "repeats", "num_prompts"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    return specs, batch_sizes
+
+
+def run(args, console: Console) -> int:
+    specs, batch_sizes = check_args(args)
     target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device)
     tokenizer = load_tokenizer(args.target)
     prompts = read_prompt_ids(args.prompts, tokenizer)

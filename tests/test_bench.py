@@ -55,3 +55,14 @@ def test_summary_finds_the_crossover_and_compares_dcut_with_both_sides():
     assert s["per_batch"][1]["dcut_vs_full"] == pytest.approx(160 / 150)
     no_cross = [r for r in records if r["policy"] != "full"] + [rec(B, "full", 10) for B in (1, 4, 16)]
     assert bench.summarize(no_cross)["crossover"] is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch-sizes", "a"], "--batch-sizes"), (["--batch-sizes", "0"], "batch sizes >= 1"),
+    (["--policies", "foo"], "unknown policy"), (["--policies", "dcut:x"], "unknown dcut variant"),
+    (["--repeats", "0"], "--repeats must be >= 1"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_bad_arguments_are_one_line_errors_before_any_work(argv, message, capsys):
+    assert bench.main(argv + ["--no-compile"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and "Traceback" not in err

@@ -60,7 +60,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     console = Console()
     try:
-        batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+        try:
+            batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+        except ValueError:
+            raise ValueError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
+        if not batch_sizes or batch_sizes[0] < 1:
+            raise ValueError(f"--batch-sizes must be >= 1, got {args.batch_sizes!r}")
+        for name in ("context_len", "repeats"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
         rhos = parse_rhos(args.rhos)
         target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device)
     except (ValueError, ConfigError, CheckpointError) as e:

@@ -1,0 +1,44 @@
+"""tools/profile.py on a tiny pair (eager): it times every (batch size, rho) cell and writes a cost
+table with the metadata the README promises; bad arguments are one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from minidcut.cost_model import CostTable
+from tiny import make_drafter, make_model
+from tools import profile
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("profile")
+    hf = make_model(root / "target", "llama")
+    make_drafter(root / "drafter", hf.config)
+    return root
+
+
+def test_profile_writes_a_cost_table_with_metadata(pair, capsys):
+    out = pair / "table.json"
+    code = profile.main(["--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--batch-sizes",
+                         "2,1", "--rhos", "0,0.5,1", "--context-len", "8", "--repeats", "2", "--warmup", "1",
+                         "--no-compile", "--out", str(out)])
+    assert code == 0
+    table = CostTable.load(out)
+    assert table.batch_sizes == [1, 2] and table.rhos == [0.0, 0.5, 1.0]
+    assert all(c > 0 for row in table.seconds for c in row)
+    for key in ("device", "torch", "threads", "dtype", "context_len", "repeats", "date", "relative_spread",
+                "wall_seconds", "target", "drafter"):
+        assert key in table.meta
+    assert table.meta["context_len"] == 8 and table.meta["repeats"] == 2
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [(["--batch-sizes", "x"], "--batch-sizes"),
+                                          (["--context-len", "0"], "--context-len"),
+                                          (["--repeats", "0"], "--repeats"), (["--rhos", "a"], "rho grid")])
+def test_bad_arguments_are_one_line_errors(pair, argv, message, capsys):
+    code = profile.main(["--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--no-compile",
+                         *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error:") and message in err
