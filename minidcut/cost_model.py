@@ -90,9 +90,13 @@ def table_path(device, target_dir, drafter_dir, dtype: torch.dtype, table_dir: P
     def slug(x) -> str:
         return re.sub(r"[^A-Za-z0-9._-]+", "-", str(x)).strip("-")
 
-    def model(d) -> str:  # the directory's name, plus a hash of its full path: no two models collide
+    def model(d) -> str:
+        """The directory's name, plus a hash of its full path and its config.json: no two models
+        collide, and a model retrained into the same directory with another shape gets a new table."""
         p = Path(d).resolve()
-        return f"{slug(p.name)}-{hashlib.sha1(str(p).encode()).hexdigest()[:6]}"
+        cfg = p / "config.json"
+        key = str(p).encode() + (cfg.read_bytes() if cfg.is_file() else b"")
+        return f"{slug(p.name)}-{hashlib.sha1(key).hexdigest()[:6]}"
     name = "__".join([slug(device_name(device)), model(target_dir), model(drafter_dir),
                       slug(str(dtype).replace("torch.", ""))])
     return table_dir / f"{name}.json"

@@ -356,7 +356,7 @@ class Engine:
                 stats.predicted += predicted * self.policy.gain_scale
                 stats.realized += accepted_live
                 stats.drafting_request_steps += n_live
-                self.policy.observe(predicted, accepted_live, K)
+                self.policy.observe(predicted, accepted_live, K, n_live, rho)
             else:
                 self.policy.observe(None, 0, 0)
             stats.seconds["bookkeeping"] += time.perf_counter() - t1

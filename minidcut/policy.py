@@ -5,8 +5,12 @@
   static   one fixed rho: global top-K with K = round(rho * B * D)
   dcut     rho* = argmax gain(rho) / cost(B, rho) per step, from a measured cost table (PAPER.md s.3),
            plus two additions, each can be switched off:
-           - skip drafting: when the last `patience` drafting steps all chose rho = 0 (no budget beats
-             an AR step), stop drafting (it costs time at high B) and re-probe periodically, at most
+           - skip drafting: whether to draft at all is decided apart from how much to verify. In a
+             drafting step the draft is already paid for, so rho = 0 is priced as a drafting step
+             (cost of the smallest rho > 0) and the selector picks among the budgets; after the step,
+             its predicted committed tokens per second (calibrated) are compared with an AR step's,
+             B / cost(B, 0). When the last `patience` drafting steps all lost to AR, stop drafting
+             (it costs time at high B) and re-probe periodically, at most
              every `probe_every` steps and rarely enough that probes cost <= PROBE_BUDGET of the time
              (and less after failed probes: the period doubles with each, up to MAX_BACKOFF times);
              and when the cost table says that even a drafter whose every kept draft is accepted cannot
@@ -81,14 +85,26 @@ class Policy:
         self._reset_skip()
 
     def _reset_skip(self) -> None:
-        self._ar_streak = 0  # consecutive drafting steps that chose rho = 0
+        self._ar_streak = 0  # consecutive drafting steps predicted to lose to an AR step
         self._skipped = -1  # steps since drafting was switched off; -1 while drafting is on
         self._backoff = 1  # probe period multiplier: doubles with every failed probe
 
     def cost_vector(self, B: int, device) -> torch.Tensor:
-        """cost(B, rho) for the grid [n_rho]; flat for fixed policies (a single rho: nothing to choose)."""
+        """cost(B, rho) of a drafting step for the grid [n_rho]; flat for fixed policies (a single rho:
+        nothing to choose). With skip drafting, rho = 0 in a drafting step still pays for the draft: it
+        costs what the smallest rho > 0 does (so it wins only when no draft can be kept)."""
         costs = self.table.costs(B, self.rhos) if self.table else [1.0] * len(self.rhos)
+        if self.skip_drafting and len(self.rhos) > 1:
+            costs[0] = costs[1]  # rhos are sorted and 0 is in the grid (skip_drafting requires it)
         return torch.tensor(costs, dtype=torch.float32, device=device)
+
+    def drafting_pays(self, predicted: float, n_live: int, rho: float) -> bool:
+        """Whether a drafting step that chose rho is predicted to commit tokens faster than an AR step
+        would: (scale * predicted accepted drafts + n_live) / cost(B, rho) > n_live / cost(B, 0)."""
+        if rho == 0.0 or self.table is None or self._configured is None:
+            return rho > 0.0
+        B = self._configured[0]
+        return (self.gain_scale * predicted + n_live) / self.table.cost(B, rho) > n_live / self.table.cost(B, 0.0)
 
     def can_beat_ar(self, B: int, D: int) -> bool:
         """Whether any rho > 0 could out-run an AR step at batch size B even if every kept draft were
@@ -125,9 +141,9 @@ class Policy:
         self._skipped += 1
         return self._skipped >= self._period * self._backoff
 
-    def observe(self, predicted: float | None, realized: int, K: int) -> None:
+    def observe(self, predicted: float | None, realized: int, K: int, n_live: int = 1, rho: float = 0.0) -> None:
         """After a step: predicted (uncalibrated expected accepted drafts of the chosen rho, None if the
-        step did not draft), realized accepted drafts, and the chosen budget K."""
+        step did not draft), realized accepted drafts, the chosen budget K and rho, live requests."""
         if predicted is None:
             return
         if self.calibrate and K > 0:
@@ -137,8 +153,9 @@ class Policy:
             if self._pred > 1.0:
                 self.gain_scale = min(max(self._real / self._pred, 0.05), 20.0)
         if self.skip_drafting:
-            self._ar_streak = self._ar_streak + 1 if K == 0 else 0
-            if K > 0:
+            pays = K > 0 and self.drafting_pays(predicted, n_live, rho)
+            self._ar_streak = 0 if pays else self._ar_streak + 1
+            if pays:
                 self._skipped, self._backoff = -1, 1
             elif self._skipped >= 0:  # a failed probe: keep drafting off, probe less often
                 self._skipped, self._backoff = 0, min(2 * self._backoff, MAX_BACKOFF)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minidcut import dcut
-from minidcut.cost_model import CostTable, CostTableError
+from minidcut.cost_model import CostTable, CostTableError, table_path
 from minidcut.policy import Policy
 
 RHOS = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -53,9 +53,9 @@ def test_corrupt_table_is_a_clear_error(tmp_path, text):
         CostTable.load(p)
 
 
-def choose(table, B, conf):
+def choose(table, B, conf, **kw):
     """The dcut policy's in-graph decision, run eagerly: rho* for confidences conf [B, D]."""
-    policy = Policy.dcut(table, RHOS)
+    policy = Policy.dcut(table, RHOS, **kw)
     Ks = [dcut.budget(r, B, conf.shape[1]) for r in RHOS]
     log_s = dcut.prefix_scores(conf, torch.full((B,), conf.shape[1]))
     gain = dcut.gains(log_s, Ks, torch.tensor(float(B)))
@@ -71,9 +71,15 @@ def test_rho_choice_prunes_hard_on_steep_costs_and_keeps_more_on_flat_costs():
     assert flat >= 0.75
 
 
-def test_rho_choice_falls_back_to_ar_when_drafts_are_hopeless():
+def test_hopeless_drafts_fall_back_to_ar():
     conf = torch.full((16, 15), 0.02)
-    assert choose(steep_table(), 16, conf) == 0.0
+    # Without skip drafting, the step itself falls back to rho = 0 (an AR verification).
+    assert choose(steep_table(), 16, conf, skip_drafting=False) == 0.0
+    # With it, the paid-for draft keeps the smallest budget, and the step counts as lost to AR.
+    assert choose(steep_table(), 16, conf) == 0.25
+    p = Policy.dcut(steep_table(), RHOS, calibrate=False)
+    p.configure(16, 15)
+    assert not p.drafting_pays(float(conf[:, 0].sum()), 16, 0.25)
 
 
 def test_skip_drafting_switches_off_after_patience_and_reprobes():
@@ -97,7 +103,7 @@ def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying
         p.observe(0.1, 0, 0)
     while not p.draft_now():
         p.observe(None, 0, 0)
-    p.observe(5.0, 5, 64)  # the probe chose rho > 0
+    p.observe(5.0, 5, 64, 16, 0.25)  # the probe chose rho > 0 (no table check: unconfigured)
     assert all(p.draft_now() for _ in range(10))
 
 
@@ -132,7 +138,7 @@ def test_probes_are_rarer_where_drafting_costs_more_than_an_ar_step():
 def test_policy_state_outlives_a_generate_call_but_skip_state_restarts_for_another_batch_size():
     p = Policy.dcut(steep_table(), RHOS, patience=2, probe_every=5)
     p.configure(16, 15)
-    p.observe(10.0, 5, 64)  # a calibration sample: half of the predicted drafts were accepted
+    p.observe(10.0, 5, 64, 16, 0.25)  # a calibration sample: half of the predicted drafts were accepted
     for _ in range(2):  # two drafting steps that chose rho = 0: drafting switches off
         p.draft_now()
         p.observe(10.0, 5, 0)
@@ -144,3 +150,38 @@ def test_policy_state_outlives_a_generate_call_but_skip_state_restarts_for_anoth
     assert p.draft_now() and p.gain_scale == scale
     p.reset()
     assert p.gain_scale == 1.0
+
+
+def test_table_path_names_device_models_and_dtype_and_changes_with_a_model_config(tmp_path):
+    for name in ("target", "drafter"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"hidden_size": 64}')
+    path = table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, tmp_path)
+    assert path.parent == tmp_path and path.name.startswith("cpu") and "__target-" in path.name
+    assert "__drafter-" in path.name and path.name.endswith("__float32.json")
+    assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, tmp_path) == path
+    (tmp_path / "drafter" / "config.json").write_text('{"hidden_size": 64, "block_size": 8}')  # retrained
+    assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, tmp_path) != path
+
+
+def test_a_drafting_step_prices_rho_zero_as_a_drafting_step_when_drafting_can_be_skipped():
+    p = Policy.dcut(steep_table(), RHOS)
+    costs = p.cost_vector(16, "cpu").tolist()
+    assert costs[0] == costs[1] == pytest.approx(1.6)  # the draft is paid: rho = 0 saves nothing
+    q = Policy.dcut(steep_table(), RHOS, skip_drafting=False)  # no other way back to AR steps
+    assert q.cost_vector(16, "cpu").tolist()[0] == pytest.approx(1.0)
+
+
+def test_drafting_switches_off_when_drafting_steps_are_predicted_to_lose_to_ar_steps():
+    """B = 16, steep table: rho = 0.5 costs 2.2 AR steps, so it pays only above 1.2 * 16 = 19.2
+    predicted accepted drafts (calibrated)."""
+    p = Policy.dcut(steep_table(), RHOS, patience=3, calibrate=False)
+    p.configure(16, 15)
+    for _ in range(10):  # 30 predicted accepted drafts per step: drafting pays, stays on
+        assert p.draft_now()
+        p.observe(30.0, 30, 120, 16, 0.5)
+    for _ in range(3):  # 10 per step: an AR step commits faster
+        assert p.draft_now()
+        p.observe(10.0, 10, 120, 16, 0.5)
+    assert not p.draft_now()
+    assert p.drafting_pays(30.0, 16, 0.5) and not p.drafting_pays(10.0, 16, 0.5)

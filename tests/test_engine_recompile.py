@@ -75,7 +75,8 @@ def check_no_recompile_after_warm_up(target, drafter):
     for rho in GRID:
         policy.table = forcing_table(rho)
         warm, stats = engine.generate(prompts[:2], 12)
-        assert set(stats.rho_hist) == {rho}
+        # The forced budget, and rho = 0 only where no draft can be kept (a request's last token).
+        assert set(stats.rho_hist) - {0.0} == ({rho} - {0.0})
         assert warm == [o[:12] for o in ar[:2]]
     policy.table = mixed_table()
     engine.generate(prompts[:2], 12)

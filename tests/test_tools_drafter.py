@@ -33,6 +33,15 @@ def test_train_drafter_writes_a_zlab_layout_drafter_that_loads_and_lowers_the_lo
     with torch.no_grad():
         logits = d(t, torch.tensor([5]), torch.tensor([0]))
     assert logits.shape == (1, 15, t.cfg.vocab_size)
+    # --init continues from that drafter: its architecture, starting at its loss, the recipe in the log.
+    more = tmp_path / "more"
+    train_drafter.main(["--target", str(target), "--out", str(more), "--corpus", str(tmp_path / "corpus"),
+                        "--sequences", "16", "--prompt-len", "24", "--seq-len", "64", "--steps", "5",
+                        "--batch-size", "4", "--anchors", "4", "--lr", "1e-3", "--init", str(out), "--seed", "1"])
+    log2 = json.loads((more / "train_log.json").read_text())
+    assert log2["continues"]["command"] == log["command"]
+    assert log2["first_loss"] < log["first_loss"]
+    assert json.loads((more / "config.json").read_text())["dflash_config"] == cfg["dflash_config"]
 
 
 def test_taps_are_checked_against_the_target():

@@ -39,7 +39,7 @@ from minidcut.config import DrafterConfig, default_target_layer_ids, parse_model
 from minidcut.drafter import DFlashDrafter  # noqa: E402
 from minidcut.engine import Engine  # noqa: E402
 from minidcut.layers import rope_cos_sin  # noqa: E402
-from minidcut.loader import load_target  # noqa: E402
+from minidcut.loader import load_drafter, load_target  # noqa: E402
 from minidcut.model import prefill_layout  # noqa: E402
 
 
@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--init", default=None,
+                   help="continue training this drafter directory (its architecture replaces --layers, "
+                        "--taps, --block-size, --intermediate-size)")
     return p.parse_args(argv)
 
 
@@ -236,7 +239,11 @@ def main(argv=None):
     pick = torch.randperm(len(windows), generator=gen)[: args.sequences]
     console.print(f"self-distilling {len(pick)} sequences of {args.seq_len} tokens from {target_dir}")
     seqs = distill(target, windows[pick].to(args.device), args.seq_len - args.prompt_len, console)  # [N, L]
-    drafter = build_drafter(args, target.cfg, mask_id).to(args.device)
+    if args.init:
+        drafter = load_drafter(args.init, target, torch.float32, args.device).train().requires_grad_(True)
+        args.block_size = drafter.block_size
+    else:
+        drafter = build_drafter(args, target.cfg, mask_id).to(args.device)
     feats, labels = target_features(target, seqs, drafter.taps)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     warm = max(args.steps // 20, 1)
@@ -262,6 +269,9 @@ def main(argv=None):
            "wall_seconds": round(time.time() - t_start, 1), "first_loss": first, "final_loss_ema": ema,
            "parameters": sum(p.numel() for p in drafter.parameters()),
            "target": str(target_dir), "seed": args.seed}
+    if args.init:  # the run this one continues, so the log keeps the whole recipe
+        prev = Path(args.init) / "train_log.json"
+        log["continues"] = json.loads(prev.read_text()) if prev.is_file() else str(args.init)
     save_drafter(drafter, Path(args.out), log)
     console.print(f"saved {args.out} ({log['parameters'] / 1e6:.2f}M parameters, {log['wall_seconds']:.0f} s)")
 
