@@ -43,6 +43,17 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def parse_batch_sizes(text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16] (sorted, unique); ValueError (a one-line message) for anything else."""
+    try:
+        values = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"--batch-sizes {text!r}: expected comma-separated integers") from None
+    if not values or values[0] < 1:
+        raise ValueError(f"--batch-sizes must be >= 1, got {text!r}")
+    return values
+
+
 def parse_rhos(rhos) -> list[float]:
     try:
         values = sorted({float(r) for r in (rhos.split(",") if isinstance(rhos, str) else rhos)})

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import dcut
-from .api import load_pair, load_tokenizer
+from .api import load_pair, load_tokenizer, parse_batch_sizes
 from .cost_model import CostTable, CostTableError, table_path
 from .engine import Engine
 from .generate import DEFAULT_DRAFTER, DEFAULT_TARGET, MODELS, UserError, run_reporting_errors
@@ -208,9 +208,9 @@ def summarize(records: list[dict]) -> dict:
     for (b0, r0), (b1, r1) in zip(ratios, ratios[1:]):
         if (r0 - 1) * (r1 - 1) <= 0:
             B = b0 if abs(r0 - 1) <= abs(r1 - 1) else b1
+            at = out["per_batch"].get(B)
             out["crossover"] = {"batch_size": B, "between": [b0, b1], "full_vs_ar": dict(ratios)[B],
-                                "dcut_vs_both": out["per_batch"].get(B, {}).get("dcut_vs_best_fixed") and min(
-                                    out["per_batch"][B].get("dcut_vs_ar", 0), out["per_batch"][B].get("dcut_vs_full", 0))}
+                                "dcut_vs_both": min(at["dcut_vs_ar"], at["dcut_vs_full"]) if at else None}
             break
     return out
 
@@ -243,12 +243,9 @@ def check_args(args) -> tuple[list[str], list[int]]:
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
     for spec in specs:
         make_policy(spec, CostTable([1], [0.0], [[1.0]]))  # raises UserError for an unknown policy
-    try:
-        batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
-    except ValueError:
-        raise UserError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
-    if not specs or not batch_sizes or batch_sizes[0] < 1:
-        raise UserError("need at least one policy and batch sizes >= 1")
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    if not specs:
+        raise UserError("--policies: need at least one policy")
     for name in ("max_new_tokens", "repeats", "num_prompts"):
         value = getattr(args, name)
         if value is not None and value < 1:

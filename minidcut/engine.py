@@ -276,10 +276,12 @@ class Engine:
         stats = Stats(policy=self.policy.label, batch_size=self.B, requests=len(reqs))
         slots: list[Request | None] = [None] * self.B
         synced = [0] * self.B  # per row: positions below this have the drafter's context K/V
+        stale = False  # whether a step since the last drafting step skipped the drafter's K/V
         dev, B = self.device, self.B
         anchor = torch.zeros(B, dtype=torch.long, device=dev)
         anchor_pos = torch.zeros(B, dtype=torch.long, device=dev)
         self.policy.configure(B, self.D)  # a no-op unless another engine reconfigured a shared policy
+        costs = self.policy.cost_vector(B, dev)  # [n_rho], fixed for this call
         while pending or any(slots):
             t0 = time.perf_counter()
             free = [i for i in range(B) if slots[i] is None][: len(pending)]
@@ -306,9 +308,10 @@ class Engine:
             K, rho = 0, 0.0
             drafting = self.drafter is not None and self.policy.draft_now()
             if drafting:
-                self._sync_drafter(slots, synced)
+                if stale:
+                    self._sync_drafter(slots, synced)
                 drafts, keep_lens, rho_idx, gain, log_s = self.graph("draft")(
-                    anchor, anchor_pos, torch.tensor(limit, device=dev), self.policy.cost_vector(B, dev),
+                    anchor, anchor_pos, torch.tensor(limit, device=dev), costs,
                     torch.tensor(float(n_live), device=dev), torch.tensor(self.policy.gain_scale, device=dev))
                 ri = int(rho_idx.item())  # the one host sync: it picks the verify graph
                 K, rho, keep_len = self.Ks[ri], self.policy.rhos[ri], keep_lens[ri]
@@ -320,6 +323,7 @@ class Engine:
             # A step that drafted writes the drafter's context K/V (the next one will likely draft
             # too); a step that did not only stores the features (see drafter.sync_context).
             verify = self.graph("verify", K, kv=drafting or self.drafter is None)
+            stale = not drafting  # a drafting step leaves every row synced up to its new anchor
             commit, n_commit, anchor, anchor_pos = verify(anchor, anchor_pos, drafts, keep_len)
             kept = keep_len if K else torch.zeros_like(n_commit)
             host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1).cpu()  # [B, block + 2]

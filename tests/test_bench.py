@@ -58,7 +58,7 @@ def test_summary_finds_the_crossover_and_compares_dcut_with_both_sides():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--batch-sizes", "a"], "--batch-sizes"), (["--batch-sizes", "0"], "batch sizes >= 1"),
+    (["--batch-sizes", "a"], "--batch-sizes"), (["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
     (["--policies", "foo"], "unknown policy"), (["--policies", "dcut:x"], "unknown dcut variant"),
     (["--repeats", "0"], "--repeats must be >= 1"), (["--max-new-tokens", "0"], "--max-new-tokens"),
 ])

@@ -20,7 +20,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from minidcut.api import load_pair, parse_rhos  # noqa: E402
+from minidcut.api import load_pair, parse_batch_sizes, parse_rhos  # noqa: E402
 from minidcut.config import ConfigError  # noqa: E402
 from minidcut.cost_model import table_path  # noqa: E402
 from minidcut.loader import CheckpointError  # noqa: E402
@@ -60,12 +60,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     console = Console()
     try:
-        try:
-            batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
-        except ValueError:
-            raise ValueError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
-        if not batch_sizes or batch_sizes[0] < 1:
-            raise ValueError(f"--batch-sizes must be >= 1, got {args.batch_sizes!r}")
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
         for name in ("context_len", "repeats"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
