@@ -306,10 +306,12 @@ class Engine:
             limit = [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in slots]
             t0 = time.perf_counter()
             K, rho = 0, 0.0
+            t_step = t0
             drafting = self.drafter is not None and self.policy.draft_now()
             if drafting:
                 if stale:
                     self._sync_drafter(slots, synced)
+                t_step = time.perf_counter()  # the catch-up is a cost of having skipped, not of this step
                 drafts, keep_lens, rho_idx, gain, log_s = self.graph("draft")(
                     anchor, anchor_pos, torch.tensor(limit, device=dev), costs,
                     torch.tensor(float(n_live), device=dev), torch.tensor(self.policy.gain_scale, device=dev))
@@ -360,10 +362,12 @@ class Engine:
                 stats.predicted += predicted * self.policy.gain_scale
                 stats.realized += accepted_live
                 stats.drafting_request_steps += n_live
-                self.policy.observe(predicted, accepted_live, K, n_live, rho)
+            t2 = time.perf_counter()
+            stats.seconds["bookkeeping"] += t2 - t1
+            if drafts is not None:
+                self.policy.observe(predicted, accepted_live, K, n_live, rho, seconds=t2 - t_step)
             else:
-                self.policy.observe(None, 0, 0)
-            stats.seconds["bookkeeping"] += time.perf_counter() - t1
+                self.policy.observe(None, 0, 0, seconds=t2 - t_step)
             if on_step is not None:
                 on_step(stats, rho)
         return [r.output for r in reqs], stats

@@ -11,12 +11,15 @@
              its predicted committed tokens per second (calibrated) are compared with an AR step's,
              B / cost(B, 0). When the last `patience` drafting steps all lost to AR, stop drafting
              (it costs time at high B) and re-probe periodically, at most
-             every `probe_every` steps and rarely enough that probes cost <= PROBE_BUDGET of the time
-             (and less after failed probes: the period doubles with each, up to MAX_BACKOFF times);
+             every `probe_every` steps and rarely enough that probes cost <= PROBE_BUDGET of the time,
+             net of the drafts they get accepted (and less after failed probes: the period doubles with each, up to MAX_BACKOFF times);
              and when the cost table says that even a drafter whose every kept draft is accepted cannot
              beat an AR step at this batch size, never draft at all (can_beat_ar);
            - calibration: the drafter's confidences are not probabilities of acceptance; a running
-             ratio realized / predicted accepted drafts rescales the gain before rho* is chosen.
+             ratio realized / predicted accepted drafts rescales the gain before rho* is chosen. The
+             table's costs are not what the serving loop pays either (host work, a busier machine):
+             running ratios measured / table step seconds, one for drafting steps and one for AR steps,
+             rescale the costs that decide whether drafting pays.
            Both are online state, kept across generate() calls like a serving loop keeps it: a new
            call starts from what earlier calls learned. The skip state is per batch size (configure()
            with another B restarts it); calibration belongs to the drafter and stays. reset() forgets all.
@@ -31,6 +34,7 @@ from .cost_model import CostTable
 DEFAULT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 PROBE_BUDGET = 0.03  # the share of decode time re-probing may cost while drafting is off
 MAX_BACKOFF = 8  # each failed probe doubles the probe period, up to this factor
+DECAY = 0.95  # running ratios: ~20-step memory, follows shifts and smooths single steps
 
 
 class Policy:
@@ -88,6 +92,25 @@ class Policy:
         self._ar_streak = 0  # consecutive drafting steps predicted to lose to an AR step
         self._skipped = -1  # steps since drafting was switched off; -1 while drafting is on
         self._backoff = 1  # probe period multiplier: doubles with every failed probe
+        self._seconds = {True: [0.0, 0.0], False: [0.0, 0.0]}  # drafting? -> running [measured, table]
+        self._accepted = [0.0, 0.0]  # running [accepted drafts, live rows] of drafting steps with K > 0
+
+    def cost_scale(self, drafting: bool) -> float:
+        """Measured / table seconds of recent drafting (or AR) steps at this batch size; 1 (the table)
+        before any was measured. Not borrowed from the other kind: a loop that is slow only while
+        drafting would then never be caught; a wrong guess here is corrected by the next probe."""
+        measured, table = self._seconds[drafting]
+        return measured / table if table > 0 else 1.0
+
+    def _observe_seconds(self, drafting: bool, rho: float, seconds: float) -> None:
+        if self.table is None or self._configured is None or seconds <= 0:
+            return
+        if drafting and rho == 0.0:  # a drafting step that kept nothing still paid for its draft
+            rho = min((r for r in self.rhos if r > 0), default=0.0)
+        table = self.table.cost(self._configured[0], rho if drafting else 0.0)
+        ratio = min(max(seconds / table, 1 / 3), 3.0)  # one outlier step (a GC pause) moves it little
+        run = self._seconds[drafting]
+        run[0], run[1] = DECAY * run[0] + ratio * table, DECAY * run[1] + table
 
     def cost_vector(self, B: int, device) -> torch.Tensor:
         """cost(B, rho) of a drafting step for the grid [n_rho]; flat for fixed policies (a single rho:
@@ -100,11 +123,14 @@ class Policy:
 
     def drafting_pays(self, predicted: float, n_live: int, rho: float) -> bool:
         """Whether a drafting step that chose rho is predicted to commit tokens faster than an AR step
-        would: (scale * predicted accepted drafts + n_live) / cost(B, rho) > n_live / cost(B, 0)."""
+        would, on calibrated numbers: (gain_scale * predicted accepted drafts + n_live) /
+        (cost(B, rho) * cost_scale(drafting)) > n_live / (cost(B, 0) * cost_scale(AR))."""
         if rho == 0.0 or self.table is None or self._configured is None:
             return rho > 0.0
         B = self._configured[0]
-        return (self.gain_scale * predicted + n_live) / self.table.cost(B, rho) > n_live / self.table.cost(B, 0.0)
+        draft = self.table.cost(B, rho) * self.cost_scale(True)
+        ar = self.table.cost(B, 0.0) * self.cost_scale(False)
+        return (self.gain_scale * predicted + n_live) / draft > n_live / ar
 
     def can_beat_ar(self, B: int, D: int) -> bool:
         """Whether any rho > 0 could out-run an AR step at batch size B even if every kept draft were
@@ -116,13 +142,17 @@ class Policy:
         return any((B + round(r * B * D)) / self.table.cost(B, r) > ar for r in self.rhos if r > 0)
 
     def probe_period(self, B: int) -> int:
-        """Steps between probes while drafting is off: a probe costs cost(B, rho) - cost(B, 0) extra,
-        so it runs rarely enough to stay within PROBE_BUDGET of the AR steps' time."""
+        """Steps between probes while drafting is off, so that probes cost <= PROBE_BUDGET of the AR
+        steps' time. A probe is a drafting step: it takes cost(B, rho) instead of cost(B, 0), but it
+        also commits the drafts it gets accepted (recent drafting steps: `accepted` per row), which AR
+        steps would have taken (1 + accepted) steps for. Costs are calibrated (cost_scale)."""
         if self.table is None or 0.0 not in self.rhos or len(self.rhos) < 2:
             return self.probe_every
-        ar = self.table.cost(B, 0.0)
-        extra = self.table.cost(B, min(r for r in self.rhos if r > 0)) - ar
-        return max(self.probe_every, int(extra / (PROBE_BUDGET * ar)) + 1)
+        ar = self.table.cost(B, 0.0) * self.cost_scale(False)
+        draft = self.table.cost(B, min(r for r in self.rhos if r > 0)) * self.cost_scale(True)
+        accepted = self._accepted[0] / self._accepted[1] if self._accepted[1] > 0 else 0.0
+        loss = draft - ar * (1.0 + accepted)  # seconds a probe loses against AR steps
+        return max(self.probe_every, int(loss / (PROBE_BUDGET * ar)) + 1)
 
     def configure(self, B: int, D: int) -> None:
         """Called by the engine with its batch size and draft depth."""
@@ -141,15 +171,20 @@ class Policy:
         self._skipped += 1
         return self._skipped >= self._period * self._backoff
 
-    def observe(self, predicted: float | None, realized: int, K: int, n_live: int = 1, rho: float = 0.0) -> None:
+    def observe(self, predicted: float | None, realized: int, K: int, n_live: int = 1, rho: float = 0.0,
+                seconds: float = 0.0) -> None:
         """After a step: predicted (uncalibrated expected accepted drafts of the chosen rho, None if the
-        step did not draft), realized accepted drafts, the chosen budget K and rho, live requests."""
+        step did not draft), realized accepted drafts, the chosen budget K and rho, live requests, and
+        the step's measured seconds (0: not measured)."""
+        if self.calibrate:
+            self._observe_seconds(predicted is not None, rho, seconds)
         if predicted is None:
             return
+        if K > 0:
+            self._accepted = [DECAY * self._accepted[0] + realized, DECAY * self._accepted[1] + n_live]
         if self.calibrate and K > 0:
-            decay = 0.95  # ~20-step memory: follows shifts in acceptance, smooths single steps
-            self._pred = decay * self._pred + predicted
-            self._real = decay * self._real + realized
+            self._pred = DECAY * self._pred + predicted
+            self._real = DECAY * self._real + realized
             if self._pred > 1.0:
                 self.gain_scale = min(max(self._real / self._pred, 0.05), 20.0)
         if self.skip_drafting:
@@ -161,3 +196,5 @@ class Policy:
                 self._skipped, self._backoff = 0, min(2 * self._backoff, MAX_BACKOFF)
             elif self._ar_streak >= self.patience:
                 self._skipped = 0  # switch drafting off
+            if self._skipped == 0 and self._configured is not None:  # priced on what was just learned
+                self._period = self.probe_period(self._configured[0])

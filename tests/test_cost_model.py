@@ -133,6 +133,10 @@ def test_probes_are_rarer_where_drafting_costs_more_than_an_ar_step():
     p = Policy.dcut(CostTable([1, 64], RHOS, [[1.0, 1.2, 1.3, 1.4, 1.5], [1.0, 8.0, 9.0, 10.0, 11.0]]), RHOS)
     assert p.probe_period(1) == p.probe_every  # a probe costs 0.2 of an AR step: the floor applies
     assert p.probe_period(64) >= 7.0 / 0.03  # 7 extra AR steps per probe, <= 3% of the time
+    p.configure(64, 15)
+    for _ in range(30):  # drafting steps that get 5 drafts per row accepted: a probe commits 6 tokens a row
+        p.observe(5.0 * 64, 5 * 64, 960, 64, 0.25)
+    assert p.probe_period(64) == pytest.approx(1 + 2.0 / 0.03, abs=1)  # it loses 8 - 6 AR steps, not 7
 
 
 def test_policy_state_outlives_a_generate_call_but_skip_state_restarts_for_another_batch_size():
@@ -185,3 +189,53 @@ def test_drafting_switches_off_when_drafting_steps_are_predicted_to_lose_to_ar_s
         p.observe(10.0, 10, 120, 16, 0.5)
     assert not p.draft_now()
     assert p.drafting_pays(30.0, 16, 0.5) and not p.drafting_pays(10.0, 16, 0.5)
+
+
+def test_measured_step_seconds_rescale_the_costs_that_decide_whether_drafting_pays():
+    """B = 16, steep table: rho = 0.5 is priced at 2.2 AR steps, so 25 predicted accepted drafts per step
+    pay ((25 + 16) / 2.2 > 16 / 1). When the loop measures drafting steps at twice the table's seconds,
+    they no longer do ((25 + 16) / 4.4 < 16); when both kinds run twice as slow, they still do."""
+    def policy(draft_s, ar_s=None):
+        p = Policy.dcut(steep_table(), RHOS, patience=3)
+        p.configure(16, 15)
+        p.gain_scale = 1.0
+        for _ in range(5):
+            p.observe(25.0, 25, 120, 16, 0.5, seconds=draft_s)
+        if ar_s is not None:
+            p.observe(None, 0, 0, seconds=ar_s)
+        return p
+    assert policy(2.2).drafting_pays(25.0, 16, 0.5)
+    assert policy(4.4, ar_s=1.0).cost_scale(True) == pytest.approx(2.0)
+    assert not policy(4.4, ar_s=1.0).drafting_pays(25.0, 16, 0.5)
+    assert policy(4.4, ar_s=2.0).drafting_pays(25.0, 16, 0.5)  # a slower machine, not a dearer draft
+    assert policy(4.4).cost_scale(False) == 1.0  # no AR step measured yet: the table's
+    # A drafting step that kept nothing (rho = 0) is compared with the table's smallest drafting step.
+    p = Policy.dcut(steep_table(), RHOS)
+    p.configure(16, 15)
+    p.observe(0.1, 0, 0, 16, 0.0, seconds=1.6)
+    assert p.cost_scale(True) == pytest.approx(1.0)
+
+
+def test_measured_costs_switch_drafting_off_where_the_table_is_too_optimistic():
+    """The engine's loop pays 3x the table's drafting step (host work the profile did not see): the
+    calibrated skip decision switches drafting off; with calibration off, drafting stays on."""
+    on = {}
+    for calibrate in (True, False):
+        p = Policy.dcut(steep_table(), RHOS, patience=3, calibrate=calibrate)
+        p.configure(16, 15)
+        for _ in range(6):
+            if p.draft_now():
+                p.observe(25.0, 25, 120, 16, 0.5, seconds=6.6)
+            else:
+                p.observe(None, 0, 0, seconds=1.0)
+        on[calibrate] = p.draft_now()
+    assert on == {True: False, False: True}
+
+
+def test_one_outlier_step_moves_the_cost_scale_little():
+    p = Policy.dcut(steep_table(), RHOS)
+    p.configure(16, 15)
+    for _ in range(20):
+        p.observe(None, 0, 0, seconds=1.0)
+    p.observe(None, 0, 0, seconds=100.0)  # a GC pause or a compile
+    assert p.cost_scale(False) < 1.3

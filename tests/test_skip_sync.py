@@ -71,3 +71,20 @@ def test_drafting_after_skipped_steps_sees_the_whole_context(pair, monkeypatch, 
         assert err < 1e-4
     else:
         assert err > 1e-2  # the control: without the catch-up, the skipped steps' context is missing
+
+
+@torch.inference_mode()
+def test_the_engine_reports_each_steps_seconds_to_the_policy(pair):
+    """Cost calibration needs the loop's measured step seconds: drafting steps and AR steps both."""
+    from minidcut.cost_model import CostTable
+    target, drafter = pair
+    table = CostTable([1, 4], [0.0, 0.5, 1.0], [[1e-3, 2e-3, 3e-3], [2e-3, 4e-3, 6e-3]])
+    policy = Policy.dcut(table, [0.0, 0.5, 1.0], patience=2, probe_every=4)
+    seen = []
+    observe = policy.observe
+    policy.observe = lambda *a, **kw: (seen.append((a[0] is not None, kw.get("seconds", 0.0))), observe(*a, **kw))
+    engine = Engine(target, drafter, policy, batch_size=2, max_seq=96, compile=False)
+    engine.generate([[3, 4, 5], [6, 7]], 30)
+    assert {d for d, _ in seen} == {True, False}  # the random drafter loses: drafting switches off
+    assert all(s > 0 for _, s in seen)
+    assert policy.cost_scale(True) != 1.0 and policy.cost_scale(False) != 1.0
