@@ -8,9 +8,12 @@
            - skip drafting: whether to draft at all is decided apart from how much to verify. In a
              drafting step the draft is already paid for, so rho = 0 is priced as a drafting step
              (cost of the smallest rho > 0) and the selector picks among the budgets; after the step,
-             its predicted committed tokens per second (calibrated) are compared with an AR step's,
-             B / cost(B, 0). When the last `patience` drafting steps all lost to AR, stop drafting
-             (it costs time at high B) and re-probe periodically, at most
+             its predicted committed tokens (calibrated) are compared with what AR steps would commit
+             in the same time, n_live * cost(B, rho) / cost(B, 0). When the running mean of that
+             comparison over recent drafting steps (decay RUN_DECAY, started at break-even with
+             weight PRIOR_STEPS) says drafting loses, and at least `patience` drafting steps have run
+             since drafting (re)started, stop drafting (it costs time at high B) and re-probe
+             periodically, at most
              every `probe_every` steps and rarely enough that probes cost <= PROBE_BUDGET of the time,
              net of the drafts they get accepted (and less after failed probes: the period doubles with each, up to MAX_BACKOFF times);
              and when the cost table says that even a drafter whose every kept draft is accepted cannot
@@ -35,6 +38,8 @@ DEFAULT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 PROBE_BUDGET = 0.03  # the share of decode time re-probing may cost while drafting is off
 MAX_BACKOFF = 8  # each failed probe doubles the probe period, up to this factor
 DECAY = 0.95  # running ratios: ~20-step memory, follows shifts and smooths single steps
+RUN_DECAY = 0.98  # does drafting pay: ~50 drafting steps of memory (one step's acceptance is noisy)
+PRIOR_STEPS = 8.0  # the running mean starts at break-even with this weight
 
 
 class Policy:
@@ -89,7 +94,8 @@ class Policy:
         self._reset_skip()
 
     def _reset_skip(self) -> None:
-        self._ar_streak = 0  # consecutive drafting steps predicted to lose to an AR step
+        self._run = [0.0, 0.0]  # running [predicted committed, AR-equivalent] tokens per row, drafting steps
+        self._run_steps = 0  # drafting steps since drafting (re)started
         self._skipped = -1  # steps since drafting was switched off; -1 while drafting is on
         self._backoff = 1  # probe period multiplier: doubles with every failed probe
         self._seconds = {True: [0.0, 0.0], False: [0.0, 0.0]}  # drafting? -> running [measured, table]
@@ -121,16 +127,25 @@ class Policy:
             costs[0] = costs[1]  # rhos are sorted and 0 is in the grid (skip_drafting requires it)
         return torch.tensor(costs, dtype=torch.float32, device=device)
 
-    def drafting_pays(self, predicted: float, n_live: int, rho: float) -> bool:
-        """Whether a drafting step that chose rho is predicted to commit tokens faster than an AR step
-        would, on calibrated numbers: (gain_scale * predicted accepted drafts + n_live) /
-        (cost(B, rho) * cost_scale(drafting)) > n_live / (cost(B, 0) * cost_scale(AR))."""
-        if rho == 0.0 or self.table is None or self._configured is None:
-            return rho > 0.0
+    def step_value(self, predicted: float, n_live: int, rho: float) -> tuple[float, float]:
+        """A drafting step that chose rho, per live row and on calibrated numbers: (predicted committed
+        tokens, 1 + gain_scale * predicted accepted drafts / n_live; the tokens AR steps would commit
+        in the same time, cost(B, rho) * cost_scale(drafting) / (cost(B, 0) * cost_scale(AR))).
+        rho = 0 in a drafting step: nothing kept, the draft paid (the smallest rho > 0's cost)."""
         B = self._configured[0]
+        if rho == 0.0:
+            predicted, rho = 0.0, min((r for r in self.rhos if r > 0), default=0.0)
         draft = self.table.cost(B, rho) * self.cost_scale(True)
         ar = self.table.cost(B, 0.0) * self.cost_scale(False)
-        return (self.gain_scale * predicted + n_live) / draft > n_live / ar
+        return 1.0 + self.gain_scale * predicted / max(n_live, 1), draft / ar
+
+    def drafting_pays(self, predicted: float, n_live: int, rho: float) -> bool:
+        """Whether one drafting step that chose rho is predicted to commit tokens faster than AR steps
+        would (step_value). Without a table or before configure(): whether it kept anything."""
+        if self.table is None or self._configured is None:
+            return rho > 0.0
+        value, ar_equiv = self.step_value(predicted, n_live, rho)
+        return value > ar_equiv
 
     def can_beat_ar(self, B: int, D: int) -> bool:
         """Whether any rho > 0 could out-run an AR step at batch size B even if every kept draft were
@@ -188,13 +203,27 @@ class Policy:
             if self._pred > 1.0:
                 self.gain_scale = min(max(self._real / self._pred, 0.05), 20.0)
         if self.skip_drafting:
-            pays = K > 0 and self.drafting_pays(predicted, n_live, rho)
-            self._ar_streak = 0 if pays else self._ar_streak + 1
-            if pays:
-                self._skipped, self._backoff = -1, 1
-            elif self._skipped >= 0:  # a failed probe: keep drafting off, probe less often
-                self._skipped, self._backoff = 0, min(2 * self._backoff, MAX_BACKOFF)
-            elif self._ar_streak >= self.patience:
+            self._observe_skip(predicted if K > 0 else 0.0, n_live, rho if K > 0 else 0.0)
+
+    def _observe_skip(self, predicted: float, n_live: int, rho: float) -> None:
+        """Switch drafting off when recent drafting steps lose to AR steps on average; back on when a
+        probe pays; each failed probe doubles the probe period (up to MAX_BACKOFF)."""
+        if self.table is None or self._configured is None:
+            value, ar_equiv = (2.0, 1.0) if rho > 0 else (1.0, 2.0)  # nothing to price: kept or not
+        else:
+            value, ar_equiv = self.step_value(predicted, n_live, rho)
+        if self._skipped < 0:  # drafting is on: the running mean over recent drafting steps decides
+            if self._run_steps == 0:
+                self._run = [PRIOR_STEPS * ar_equiv] * 2  # start at break-even
+            self._run = [RUN_DECAY * self._run[0] + value, RUN_DECAY * self._run[1] + ar_equiv]
+            self._run_steps += 1
+            if self._run[0] <= self._run[1] and self._run_steps >= self.patience:
                 self._skipped = 0  # switch drafting off
-            if self._skipped == 0 and self._configured is not None:  # priced on what was just learned
-                self._period = self.probe_period(self._configured[0])
+        elif value > ar_equiv:  # a probe that pays: drafting back on, the running mean starts over
+            self._skipped, self._backoff, self._run_steps = -1, 1, 0
+            self._observe_skip(predicted, n_live, rho)
+            return
+        else:  # a failed probe: keep drafting off, probe less often
+            self._skipped, self._backoff = 0, min(2 * self._backoff, MAX_BACKOFF)
+        if self._skipped == 0 and self._configured is not None:  # priced on what was just learned
+            self._period = self.probe_period(self._configured[0])
