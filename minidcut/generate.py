@@ -53,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--gain", default="committed", choices=["committed", "accepted"],
                    help="dcut gain: expected committed tokens (anchors counted) or accepted drafts only "
                         "(the paper's reference code)")
-    p.add_argument("--no-calibrate", action="store_true", help="dcut: use raw drafter confidences")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="dcut: no online calibration (raw drafter confidences, the cost table as profiled)")
     p.add_argument("--no-skip-drafting", action="store_true", help="dcut: always draft")
     p.add_argument("--cost-table", default=None, help="cost table JSON (default: the one tools/profile.py "
                    "wrote for this device/target/drafter/dtype under compile_cache/cost_tables/)")

@@ -13,10 +13,9 @@
              comparison over recent drafting steps (decay RUN_DECAY, started at break-even with
              weight PRIOR_STEPS) says drafting loses, and at least `patience` drafting steps have run
              since drafting (re)started, stop drafting (it costs time at high B) and re-probe
-             periodically, at most
-             every `probe_every` steps and rarely enough that probes cost <= PROBE_BUDGET of the time,
-             net of the drafts they get accepted (and less after failed probes: the period doubles with each, up to MAX_BACKOFF times);
-             and when the cost table says that even a drafter whose every kept draft is accepted cannot
+             periodically: at most every `probe_every` steps, and rarely enough that probes cost
+             <= PROBE_BUDGET of the time net of the drafts they get accepted (less after failed
+             probes: the period doubles with each, up to MAX_BACKOFF times); and when the cost table says that even a drafter whose every kept draft is accepted cannot
              beat an AR step at this batch size, never draft at all (can_beat_ar);
            - calibration: the drafter's confidences are not probabilities of acceptance; a running
              ratio realized / predicted accepted drafts rescales the gain before rho* is chosen. The
