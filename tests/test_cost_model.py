@@ -267,3 +267,13 @@ def test_noisy_acceptance_that_pays_on_average_keeps_drafting_on():
         return drafted / 200
     assert drafted_share(80.0) == 1.0
     assert drafted_share(60.0) < 0.2
+
+
+def test_profiled_costs_are_made_nondecreasing_in_rho_by_pooling_violators():
+    from minidcut.profiler import nondecreasing
+    assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert nondecreasing([18.0, 30.0, 19.0, 20.0]) == pytest.approx([18.0, 23.0, 23.0, 23.0])  # one noisy spike
+    assert nondecreasing([35.0, 36.0, 32.0, 38.0]) == pytest.approx([34.333, 34.333, 34.333, 38.0], abs=1e-3)
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    out = nondecreasing(xs)
+    assert all(a <= b for a, b in zip(out, out[1:])) and sum(out) == pytest.approx(sum(xs))
