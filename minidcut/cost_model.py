@@ -27,7 +27,7 @@ class CostTableError(ValueError):
 class CostTable:
     batch_sizes: list[int]
     rhos: list[float]
-    seconds: list[list[float]]  # [len(batch_sizes)][len(rhos)] median step seconds
+    seconds: list[list[float]]  # [len(batch_sizes)][len(rhos)] median step seconds (profiler.py)
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):

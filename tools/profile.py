@@ -1,6 +1,7 @@
 """Build the cost table: median seconds of one complete speculative step (draft + select + verify +
 accept; rho = 0 is an AR step without drafting) for every (batch size, rho), on this machine, for one
-(target, drafter, dtype). Written under compile_cache/cost_tables/, where the dcut policy finds it.
+(target, drafter, dtype). Drafting steps' medians are made nondecreasing in rho (a dip is noise; the
+raw medians stay in the metadata). Written under compile_cache/cost_tables/, where the dcut policy finds it.
 
     python tools/profile.py --target models/llama-stdlib-4m --drafter models/llama-stdlib-4m-dflash
 """
