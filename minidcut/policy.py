@@ -9,13 +9,14 @@
              drafting step the draft is already paid for, so rho = 0 is priced as a drafting step
              (cost of the smallest rho > 0) and the selector picks among the budgets; after the step,
              its predicted committed tokens (calibrated) are compared with what AR steps would commit
-             in the same time, n_live * cost(B, rho) / cost(B, 0). When the running mean of that
-             comparison over recent drafting steps (decay RUN_DECAY, started at break-even with
-             weight PRIOR_STEPS) says drafting loses, and at least `patience` drafting steps have run
-             since drafting (re)started, stop drafting (it costs time at high B) and re-probe
-             periodically: at most every `probe_every` steps, and rarely enough that probes cost
-             <= PROBE_BUDGET of the time net of the drafts they get accepted (less after failed
-             probes: the period doubles with each, up to MAX_BACKOFF times); and when the cost table says that even a drafter whose every kept draft is accepted cannot
+             in the same time, n_live * cost(B, rho) / cost(B, 0). The differences are summed with
+             a decay of RUN_DECAY per step (every step: evidence grows stale while drafting is off).
+             When the sum says drafting loses (and the first `patience` drafting steps have run),
+             stop drafting (it costs time at high B) and re-probe periodically: at most every
+             `probe_every` steps, and rarely enough that probes cost <= PROBE_BUDGET of the time net
+             of the drafts they get accepted. A probe turns drafting back on only if it brings the sum
+             above zero; each probe that lost by itself doubles the period (up to MAX_BACKOFF times).
+             And when the cost table says that even a drafter whose every kept draft is accepted cannot
              beat an AR step at this batch size, never draft at all (can_beat_ar);
            - calibration: the drafter's confidences are not probabilities of acceptance; a running
              ratio realized / predicted accepted drafts rescales the gain before rho* is chosen. The
@@ -37,8 +38,7 @@ DEFAULT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 PROBE_BUDGET = 0.03  # the share of decode time re-probing may cost while drafting is off
 MAX_BACKOFF = 8  # each failed probe doubles the probe period, up to this factor
 DECAY = 0.95  # running ratios: ~20-step memory, follows shifts and smooths single steps
-RUN_DECAY = 0.98  # does drafting pay: ~50 drafting steps of memory (one step's acceptance is noisy)
-PRIOR_STEPS = 8.0  # the running mean starts at break-even with this weight
+RUN_DECAY = 0.98  # does drafting pay: ~50 steps of memory (one step's acceptance is noisy)
 
 
 class Policy:
@@ -93,8 +93,8 @@ class Policy:
         self._reset_skip()
 
     def _reset_skip(self) -> None:
-        self._run = [0.0, 0.0]  # running [predicted committed, AR-equivalent] tokens per row, drafting steps
-        self._run_steps = 0  # drafting steps since drafting (re)started
+        self._margin = 0.0  # running sum of (predicted committed - AR-equivalent) tokens per row
+        self._drafting_steps = 0  # drafting steps so far (none is judged before `patience` of them)
         self._skipped = -1  # steps since drafting was switched off; -1 while drafting is on
         self._backoff = 1  # probe period multiplier: doubles with every failed probe
         self._seconds = {True: [0.0, 0.0], False: [0.0, 0.0]}  # drafting? -> running [measured, table]
@@ -192,6 +192,7 @@ class Policy:
         the step's measured seconds (0: not measured)."""
         if self.calibrate:
             self._observe_seconds(predicted is not None, rho, seconds)
+        self._margin *= RUN_DECAY
         if predicted is None:
             return
         if K > 0:
@@ -205,24 +206,23 @@ class Policy:
             self._observe_skip(predicted if K > 0 else 0.0, n_live, rho if K > 0 else 0.0)
 
     def _observe_skip(self, predicted: float, n_live: int, rho: float) -> None:
-        """Switch drafting off when recent drafting steps lose to AR steps on average; back on when a
-        probe pays; each failed probe doubles the probe period (up to MAX_BACKOFF)."""
+        """Switch drafting off when recent drafting steps lose to AR steps on balance; back on when a
+        probe tips the balance; each probe that lost by itself doubles the probe period (up to
+        MAX_BACKOFF)."""
         if self.table is None or self._configured is None:
             value, ar_equiv = (2.0, 1.0) if rho > 0 else (1.0, 2.0)  # nothing to price: kept or not
         else:
             value, ar_equiv = self.step_value(predicted, n_live, rho)
-        if self._skipped < 0:  # drafting is on: the running mean over recent drafting steps decides
-            if self._run_steps == 0:
-                self._run = [PRIOR_STEPS * ar_equiv] * 2  # start at break-even
-            self._run = [RUN_DECAY * self._run[0] + value, RUN_DECAY * self._run[1] + ar_equiv]
-            self._run_steps += 1
-            if self._run[0] <= self._run[1] and self._run_steps >= self.patience:
+        self._margin += value - ar_equiv
+        self._drafting_steps += 1
+        if self._skipped < 0:  # drafting is on
+            if self._margin < 0 and self._drafting_steps >= self.patience:
                 self._skipped = 0  # switch drafting off
-        elif value > ar_equiv:  # a probe that pays: drafting back on, the running mean starts over
-            self._skipped, self._backoff, self._run_steps = -1, 1, 0
-            self._observe_skip(predicted, n_live, rho)
-            return
-        else:  # a failed probe: keep drafting off, probe less often
-            self._skipped, self._backoff = 0, min(2 * self._backoff, MAX_BACKOFF)
+        elif self._margin > 0:  # a probe that tips the balance: drafting back on
+            self._skipped, self._backoff = -1, 1
+        else:  # keep drafting off; a probe that lost by itself doubles the period
+            self._skipped = 0
+            if value <= ar_equiv:
+                self._backoff = min(2 * self._backoff, MAX_BACKOFF)
         if self._skipped == 0 and self._configured is not None:  # priced on what was just learned
             self._period = self.probe_period(self._configured[0])

@@ -97,14 +97,22 @@ def test_skip_drafting_switches_off_after_patience_and_reprobes():
 
 
 def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying():
-    p = Policy.dcut(steep_table(), RHOS, patience=2, probe_every=3)
-    for _ in range(2):
-        p.draft_now()
-        p.observe(0.1, 0, 0)
-    while not p.draft_now():
-        p.observe(None, 0, 0)
-    p.observe(5.0, 5, 64, 16, 0.25)  # the probe chose rho > 0 (no table check: unconfigured)
-    assert all(p.draft_now() for _ in range(10))
+    """B = 16, steep table: a drafting step at rho = 0.25 costs 1.6 AR steps. Two steps that kept nothing
+    lose 0.6 AR-step tokens per row each; a probe that is predicted to commit 1 + 40 / 16 = 3.5 tokens
+    per row (1.9 more than AR steps in its time) outweighs them: drafting is back on. A probe that
+    barely pays (1 + 12 / 16 = 1.75, +0.15) does not outweigh them."""
+    def after_probe(predicted):
+        p = Policy.dcut(steep_table(), RHOS, patience=2, probe_every=3, calibrate=False)
+        p.configure(16, 15)
+        for _ in range(2):
+            p.draft_now()
+            p.observe(0.1, 0, 0, 16, 0.0)
+        while not p.draft_now():
+            p.observe(None, 0, 0)
+        p.observe(predicted, int(predicted), 64, 16, 0.25)
+        return [p.draft_now() for _ in range(2)]  # (probes are cheap here: the next comes after 3)
+    assert all(after_probe(40.0))
+    assert not any(after_probe(12.0))
 
 
 def test_calibration_tracks_realized_over_predicted_accepted_drafts():
