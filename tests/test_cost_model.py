@@ -7,7 +7,7 @@ import torch
 
 from minidcut import dcut
 from minidcut.cost_model import CostTable, CostTableError, table_path
-from minidcut.policy import Policy
+from minidcut.policy import PROBE_BUDGET, Policy
 
 RHOS = [0.0, 0.25, 0.5, 0.75, 1.0]
 
@@ -138,13 +138,13 @@ def test_policy_never_drafts_where_the_table_says_even_perfect_drafts_cannot_bea
 
 
 def test_probes_are_rarer_where_drafting_costs_more_than_an_ar_step():
-    p = Policy.dcut(CostTable([1, 64], RHOS, [[1.0, 1.2, 1.3, 1.4, 1.5], [1.0, 8.0, 9.0, 10.0, 11.0]]), RHOS)
-    assert p.probe_period(1) == p.probe_every  # a probe costs 0.2 of an AR step: the floor applies
-    assert p.probe_period(64) >= 7.0 / 0.03  # 7 extra AR steps per probe, <= 3% of the time
+    p = Policy.dcut(CostTable([1, 64], RHOS, [[1.0, 1.1, 1.2, 1.3, 1.4], [1.0, 8.0, 9.0, 10.0, 11.0]]), RHOS)
+    assert p.probe_period(1) == p.probe_every  # a probe costs 0.1 of an AR step: the floor applies
+    assert p.probe_period(64) >= 7.0 / PROBE_BUDGET  # 7 extra AR steps per probe, <= PROBE_BUDGET of the time
     p.configure(64, 15)
     for _ in range(30):  # drafting steps that get 5 drafts per row accepted: a probe commits 6 tokens a row
         p.observe(5.0 * 64, 5 * 64, 960, 64, 0.25)
-    assert p.probe_period(64) == pytest.approx(1 + 2.0 / 0.03, abs=1)  # it loses 8 - 6 AR steps, not 7
+    assert p.probe_period(64) == pytest.approx(1 + 2.0 / PROBE_BUDGET, abs=1)  # it loses 8 - 6 AR steps, not 7
 
 
 def test_policy_state_outlives_a_generate_call_but_skip_state_restarts_for_another_batch_size():
