@@ -59,6 +59,9 @@ class Policy:
         self.label_override: str | None = None  # e.g. "dcut:paper" in the benchmark
         self.drafting_possible, self._period = self.needs_drafter, probe_every
         self._configured: tuple[int, int] | None = None
+        self._cost: dict[float, float] = {}  # the table's cost(B, rho) at the configured B (per call)
+        # A drafting step that keeps nothing (rho = 0) still paid for its draft: it is priced as this one.
+        self._rho_min = min((r for r in rhos if r > 0), default=0.0)
         self.reset()
 
     @classmethod
@@ -108,12 +111,15 @@ class Policy:
         measured, table = self._seconds[drafting]
         return measured / table if table > 0 else 1.0
 
+    def _table_seconds(self, drafting: bool, rho: float) -> float:
+        """The table's seconds for a step at the configured B: an AR step, or a drafting step that chose
+        rho (rho = 0 priced as the smallest rho > 0)."""
+        return self._cost[(rho or self._rho_min) if drafting else 0.0]
+
     def _observe_seconds(self, drafting: bool, rho: float, seconds: float) -> None:
-        if self.table is None or self._configured is None or seconds <= 0:
+        if not self._cost or seconds <= 0:
             return
-        if drafting and rho == 0.0:  # a drafting step that kept nothing still paid for its draft
-            rho = min((r for r in self.rhos if r > 0), default=0.0)
-        table = self.table.cost(self._configured[0], rho if drafting else 0.0)
+        table = self._table_seconds(drafting, rho)
         ratio = min(max(seconds / table, 1 / 3), 3.0)  # one outlier step (a GC pause) moves it little
         run = self._seconds[drafting]
         run[0], run[1] = DECAY * run[0] + ratio * table, DECAY * run[1] + table
@@ -131,21 +137,13 @@ class Policy:
         """A drafting step that chose rho, per live row and on calibrated numbers: (predicted committed
         tokens, 1 + gain_scale * predicted accepted drafts / n_live; the tokens AR steps would commit
         in the same time, cost(B, rho) * cost_scale(drafting) / (cost(B, 0) * cost_scale(AR))).
-        rho = 0 in a drafting step: nothing kept, the draft paid (the smallest rho > 0's cost)."""
-        B = self._configured[0]
+        rho = 0 in a drafting step: nothing kept, the draft paid (the smallest rho > 0's cost).
+        Needs a table and configure()."""
         if rho == 0.0:
-            predicted, rho = 0.0, min((r for r in self.rhos if r > 0), default=0.0)
-        draft = self.table.cost(B, rho) * self.cost_scale(True)
-        ar = self.table.cost(B, 0.0) * self.cost_scale(False)
+            predicted = 0.0
+        draft = self._table_seconds(True, rho) * self.cost_scale(True)
+        ar = self._table_seconds(False, 0.0) * self.cost_scale(False)
         return 1.0 + self.gain_scale * predicted / max(n_live, 1), draft / ar
-
-    def drafting_pays(self, predicted: float, n_live: int, rho: float) -> bool:
-        """Whether one drafting step that chose rho is predicted to commit tokens faster than AR steps
-        would (step_value). Without a table or before configure(): whether it kept anything."""
-        if self.table is None or self._configured is None:
-            return rho > 0.0
-        value, ar_equiv = self.step_value(predicted, n_live, rho)
-        return value > ar_equiv
 
     def can_beat_ar(self, B: int, D: int) -> bool:
         """Whether any rho > 0 could out-run an AR step at batch size B even if every kept draft were
@@ -164,7 +162,7 @@ class Policy:
         if self.table is None or 0.0 not in self.rhos or len(self.rhos) < 2:
             return self.probe_every
         ar = self.table.cost(B, 0.0) * self.cost_scale(False)
-        draft = self.table.cost(B, min(r for r in self.rhos if r > 0)) * self.cost_scale(True)
+        draft = self.table.cost(B, self._rho_min) * self.cost_scale(True)
         accepted = self._accepted[0] / self._accepted[1] if self._accepted[1] > 0 else 0.0
         loss = draft - ar * (1.0 + accepted)  # seconds a probe loses against AR steps
         return max(self.probe_every, int(loss / (PROBE_BUDGET * ar)) + 1)
@@ -174,6 +172,7 @@ class Policy:
         if self._configured != (B, D):  # whether drafting pays depends on B: learn it again
             self._configured = (B, D)
             self._reset_skip()
+        self._cost = dict(zip(self.rhos, self.table.costs(B, self.rhos))) if self.table else {}
         self.drafting_possible = self.needs_drafter and (not self.skip_drafting or self.can_beat_ar(B, D))
         self._period = self.probe_period(B)
 
@@ -203,17 +202,14 @@ class Policy:
             self._real = DECAY * self._real + realized
             if self._pred > 1.0:
                 self.gain_scale = min(max(self._real / self._pred, 0.05), 20.0)
-        if self.skip_drafting:
+        if self.skip_drafting and self._cost:
             self._observe_skip(predicted if K > 0 else 0.0, n_live, rho if K > 0 else 0.0)
 
     def _observe_skip(self, predicted: float, n_live: int, rho: float) -> None:
         """Switch drafting off when recent drafting steps lose to AR steps on balance; back on when a
         probe tips the balance; each probe that lost by itself doubles the probe period (up to
         MAX_BACKOFF)."""
-        if self.table is None or self._configured is None:
-            value, ar_equiv = (2.0, 1.0) if rho > 0 else (1.0, 2.0)  # nothing to price: kept or not
-        else:
-            value, ar_equiv = self.step_value(predicted, n_live, rho)
+        value, ar_equiv = self.step_value(predicted, n_live, rho)
         self._margin += value - ar_equiv
         self._drafting_steps += 1
         if self._skipped < 0:  # drafting is on
@@ -225,5 +221,5 @@ class Policy:
             self._skipped = 0
             if value <= ar_equiv:
                 self._backoff = min(2 * self._backoff, MAX_BACKOFF)
-        if self._skipped == 0 and self._configured is not None:  # priced on what was just learned
+        if self._skipped == 0:  # priced on what was just learned
             self._period = self.probe_period(self._configured[0])

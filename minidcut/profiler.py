@@ -75,12 +75,12 @@ def profile(target, drafter, batch_sizes: list[int], rhos: list[float], context_
     rows, raw, spread = [], [], []
     max_seq = context_len + drafter.block_size + 8
     grid_policy = Policy("static", rhos) if len(rhos) > 1 else Policy.static(rhos[0])
+    n_ar = sum(r == 0.0 for r in rhos)  # the AR step (rho = 0) is another kind of step: left as is
     for B in batch_sizes:
         engine = Engine(target, drafter, grid_policy, batch_size=B, max_seq=max_seq, compile=compile)
         times = time_steps(engine, context_len, repeats, warmup,
                            on_done=(lambda rho, B=B: on_done(B, rho)) if on_done else None)
         raw.append([statistics.median(t) for t in times])
-        n_ar = sum(r == 0.0 for r in rhos)  # the AR step (rho = 0) is another kind of step: left as is
         rows.append(raw[-1][:n_ar] + nondecreasing(raw[-1][n_ar:]))
         spread.append([(max(t) - min(t)) / statistics.median(t) for t in times])
     w = target.lm_head.weight

@@ -62,6 +62,12 @@ def choose(table, B, conf, **kw):
     return RHOS[int(dcut.choose_rho(gain, policy.cost_vector(B, "cpu")))]
 
 
+def pays(policy, predicted, n_live, rho) -> bool:
+    """Whether one drafting step is predicted to commit more tokens than AR steps in its time."""
+    value, ar_equiv = policy.step_value(predicted, n_live, rho)
+    return value > ar_equiv
+
+
 def test_rho_choice_prunes_hard_on_steep_costs_and_keeps_more_on_flat_costs():
     torch.manual_seed(0)
     B, D = 64, 15
@@ -79,17 +85,21 @@ def test_hopeless_drafts_fall_back_to_ar():
     assert choose(steep_table(), 16, conf) == 0.25
     p = Policy.dcut(steep_table(), RHOS, calibrate=False)
     p.configure(16, 15)
-    assert not p.drafting_pays(float(conf[:, 0].sum()), 16, 0.25)
+    assert not pays(p, float(conf[:, 0].sum()), 16, 0.25)
 
 
 def test_skip_drafting_switches_off_after_patience_and_reprobes():
-    p = Policy.dcut(steep_table(), RHOS, patience=3, probe_every=5)
+    # B = 16: a drafting step costs 1.04 AR steps, so a probe that keeps nothing loses 0.04 AR steps:
+    # the probe period is 0.04 / PROBE_BUDGET + 1 = 5 steps, probe_every.
+    cheap = CostTable([16], RHOS, [[1.0, 1.04, 1.05, 1.06, 1.07]])
+    p = Policy.dcut(cheap, RHOS, patience=3, probe_every=5)
+    p.configure(16, 15)
     drafted = []
     stream = [0] * 3 + [0] * 20  # rho* = 0 (K = 0) whenever the policy drafts
     for K in stream:
         d = p.draft_now()
         drafted.append(d)
-        p.observe(0.1 if d else None, 0, K if d else 0)
+        p.observe(0.1 if d else None, 0, K if d else 0, 16)
     assert drafted[:3] == [True, True, True]
     assert not any(drafted[3:7])  # switched off...
     assert drafted[7]  # ...then a probe after probe_every steps,
@@ -193,7 +203,7 @@ def test_drafting_switches_off_when_drafting_steps_are_predicted_to_lose_to_ar_s
     for _ in range(10):  # 30 predicted accepted drafts per step: drafting pays, stays on
         assert p.draft_now()
         p.observe(30.0, 30, 120, 16, 0.5)
-    assert p.drafting_pays(30.0, 16, 0.5) and not p.drafting_pays(10.0, 16, 0.5)
+    assert pays(p, 30.0, 16, 0.5) and not pays(p, 10.0, 16, 0.5)
     losing = 0
     while p.draft_now():  # 10 per step: an AR step commits faster
         p.observe(10.0, 10, 120, 16, 0.5)
@@ -221,10 +231,10 @@ def test_measured_step_seconds_rescale_the_costs_that_decide_whether_drafting_pa
         if ar_s is not None:
             p.observe(None, 0, 0, seconds=ar_s)
         return p
-    assert policy(2.2).drafting_pays(25.0, 16, 0.5)
+    assert pays(policy(2.2), 25.0, 16, 0.5)
     assert policy(4.4, ar_s=1.0).cost_scale(True) == pytest.approx(2.0)
-    assert not policy(4.4, ar_s=1.0).drafting_pays(25.0, 16, 0.5)
-    assert policy(4.4, ar_s=2.0).drafting_pays(25.0, 16, 0.5)  # a slower machine, not a dearer draft
+    assert not pays(policy(4.4, ar_s=1.0), 25.0, 16, 0.5)
+    assert pays(policy(4.4, ar_s=2.0), 25.0, 16, 0.5)  # a slower machine, not a dearer draft
     assert policy(4.4).cost_scale(False) == 1.0  # no AR step measured yet: the table's
     # A drafting step that kept nothing (rho = 0) is compared with the table's smallest drafting step.
     p = Policy.dcut(steep_table(), RHOS)
