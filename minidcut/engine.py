@@ -218,14 +218,15 @@ class Engine:
 
     # ---- host side ---------------------------------------------------------------------------
 
-    def _prefill(self, slots: list[int], reqs: list[Request]) -> torch.Tensor:
+    def _prefill(self, slots: list[int], reqs: list[Request], kv: bool = True) -> torch.Tensor:
         """Run the prompts of `reqs` into cache rows `slots` (eager, one padded batch); returns the
-        first generated token of each [n]."""
+        first generated token of each [n]. kv: also write the drafter's context K/V (else only its
+        features)."""
         layout, last = prefill_layout(slots, [len(r.prompt) for r in reqs], self.device)
         tokens = torch.tensor([t for r in reqs for t in r.prompt], device=self.device)
         logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.taps)
         if self.drafter is not None:
-            self.drafter.add_context(taps, layout.row, layout.pos)
+            self.drafter.add_context(taps, layout.row, layout.pos, kv=kv)
         return sample(logits, self.temperature, self.top_p)
 
     def _sync_drafter(self, slots: list, synced: list[int]) -> None:
@@ -287,9 +288,13 @@ class Engine:
             free = [i for i in range(B) if slots[i] is None][: len(pending)]
             if free:  # continuous batching: admit waiting requests into free rows
                 new = [pending.popleft() for _ in free]
-                first = self._prefill(free, new).tolist()
+                # While drafting is off, the prefill only stores the drafter's features: the next
+                # probe catches their K/V up, and a request that ends before it never needs them.
+                kv = self.drafter is not None and self.policy.drafting_on
+                first = self._prefill(free, new, kv=kv).tolist()
+                stale = stale or not kv
                 for i, r, tok in zip(free, new, first):
-                    synced[i] = len(r.prompt)  # the prefill wrote the prompt's context K/V
+                    synced[i] = len(r.prompt) if kv else 0  # positions with the drafter's context K/V
                     self._emit(r, [tok])
                     stats.generated_tokens += 1
                     stats.finished += r.done
@@ -306,12 +311,13 @@ class Engine:
             limit = [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in slots]
             t0 = time.perf_counter()
             K, rho = 0, 0.0
-            t_step = t0
+            t_step, catchup = t0, 0.0
             drafting = self.drafter is not None and self.policy.draft_now()
             if drafting:
-                if stale:
+                if stale:  # the catch-up is a cost of the skipped steps (of the probe that ends them)
                     self._sync_drafter(slots, synced)
-                t_step = time.perf_counter()  # the catch-up is a cost of having skipped, not of this step
+                    catchup = time.perf_counter() - t0
+                t_step = time.perf_counter()  # this step's own seconds start here
                 drafts, keep_lens, rho_idx, gain, log_s = self.graph("draft")(
                     anchor, anchor_pos, torch.tensor(limit, device=dev), costs,
                     torch.tensor(float(n_live), device=dev), torch.tensor(self.policy.gain_scale, device=dev))
@@ -365,7 +371,8 @@ class Engine:
             t2 = time.perf_counter()
             stats.seconds["bookkeeping"] += t2 - t1
             if drafts is not None:
-                self.policy.observe(predicted, accepted_live, K, n_live, rho, seconds=t2 - t_step)
+                self.policy.observe(predicted, accepted_live, K, n_live, rho, seconds=t2 - t_step,
+                                    catchup=catchup)
             else:
                 self.policy.observe(None, 0, 0, seconds=t2 - t_step)
             if on_step is not None:

@@ -14,8 +14,11 @@
              When the sum says drafting loses (and the first `patience` drafting steps have run),
              stop drafting (it costs time at high B) and re-probe periodically: at most every
              `probe_every` steps, and rarely enough that probes cost <= PROBE_BUDGET of the time net
-             of the drafts they get accepted. A probe turns drafting back on only if it brings the sum
-             above zero; each probe that lost by itself doubles the period (up to MAX_BACKOFF times).
+             of the drafts they usually get accepted (a long running mean: one hard stretch of requests
+             must not keep drafting off for long where it usually pays), counting the catch-up of the
+             drafter's context that a probe needs first. While drafting is off, new requests' prompts
+             only store the drafter's features (the catch-up writes their K/V if a probe comes before
+             they finish). A probe turns drafting back on only if it brings the sum above zero.
              And when the cost table says that even a drafter whose every kept draft is accepted cannot
              beat an AR step at this batch size, never draft at all (can_beat_ar);
            - calibration: the drafter's confidences are not probabilities of acceptance; a running
@@ -37,7 +40,9 @@ from .cost_model import CostTable
 DEFAULT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 PROBE_BUDGET = 0.01  # the share of decode time re-probing may cost while drafting is off (measured:
 # at B = 64 here a probe every pass cost 5-6%, with the catch-up and the rows it leaves out of step)
-MAX_BACKOFF = 8  # each failed probe doubles the probe period, up to this factor
+ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps (what drafting
+# usually gets; simulated on traced B = 1 steps where drafting pays 1.15x, a 20-step memory plus doubling
+# the period after every failed probe reached 0.91x the best fixed policy, this 0.98x)
 DECAY = 0.95  # running ratios: ~20-step memory, follows shifts and smooths single steps
 RUN_DECAY = 0.98  # does drafting pay: ~50 steps of memory (one step's acceptance is noisy)
 
@@ -100,9 +105,9 @@ class Policy:
         self._margin = 0.0  # running sum of (predicted committed - AR-equivalent) tokens per row
         self._drafting_steps = 0  # drafting steps so far (none is judged before `patience` of them)
         self._skipped = -1  # steps since drafting was switched off; -1 while drafting is on
-        self._backoff = 1  # probe period multiplier: doubles with every failed probe
         self._seconds = {True: [0.0, 0.0], False: [0.0, 0.0]}  # drafting? -> running [measured, table]
-        self._accepted = [0.0, 0.0]  # running [accepted drafts, live rows] of drafting steps with K > 0
+        self._catchup = 0.0  # seconds the last probe spent catching the drafter's context K/V up
+        self._accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps, K > 0
 
     def cost_scale(self, drafting: bool) -> float:
         """Measured / table seconds of recent drafting (or AR) steps at this batch size; 1 (the table)
@@ -157,14 +162,17 @@ class Policy:
     def probe_period(self, B: int) -> int:
         """Steps between probes while drafting is off, so that probes cost <= PROBE_BUDGET of the AR
         steps' time. A probe is a drafting step: it takes cost(B, rho) instead of cost(B, 0), but it
-        also commits the drafts it gets accepted (recent drafting steps: `accepted` per row), which AR
-        steps would have taken (1 + accepted) steps for. Costs are calibrated (cost_scale)."""
+        also commits the drafts it gets accepted (what drafting steps usually get: `accepted` per row,
+        a long running mean), which AR steps would have taken (1 + accepted) steps for; and before it,
+        the drafter's context K/V of the skipped steps is caught up (measured at the last probe: it
+        grows with the period, so where it costs more than PROBE_BUDGET of the skipped steps, each
+        probe makes the next one rarer). Costs are calibrated (cost_scale)."""
         if self.table is None or 0.0 not in self.rhos or len(self.rhos) < 2:
             return self.probe_every
         ar = self.table.cost(B, 0.0) * self.cost_scale(False)
         draft = self.table.cost(B, self._rho_min) * self.cost_scale(True)
         accepted = self._accepted[0] / self._accepted[1] if self._accepted[1] > 0 else 0.0
-        loss = draft - ar * (1.0 + accepted)  # seconds a probe loses against AR steps
+        loss = draft - ar * (1.0 + accepted) + self._catchup  # seconds a probe loses against AR steps
         return max(self.probe_every, int(loss / (PROBE_BUDGET * ar)) + 1)
 
     def configure(self, B: int, D: int) -> None:
@@ -176,6 +184,11 @@ class Policy:
         self.drafting_possible = self.needs_drafter and (not self.skip_drafting or self.can_beat_ar(B, D))
         self._period = self.probe_period(B)
 
+    @property
+    def drafting_on(self) -> bool:
+        """Whether drafting is on now (False while it is switched off, probes aside)."""
+        return self.drafting_possible and self._skipped < 0
+
     def draft_now(self) -> bool:
         """False while drafting is switched off; every probe period one probe drafts again."""
         if not self.drafting_possible:
@@ -183,20 +196,24 @@ class Policy:
         if self._skipped < 0:
             return True
         self._skipped += 1
-        return self._skipped >= self._period * self._backoff
+        return self._skipped >= self._period
 
     def observe(self, predicted: float | None, realized: int, K: int, n_live: int = 1, rho: float = 0.0,
-                seconds: float = 0.0) -> None:
+                seconds: float = 0.0, catchup: float = 0.0) -> None:
         """After a step: predicted (uncalibrated expected accepted drafts of the chosen rho, None if the
-        step did not draft), realized accepted drafts, the chosen budget K and rho, live requests, and
-        the step's measured seconds (0: not measured)."""
+        step did not draft), realized accepted drafts, the chosen budget K and rho, live requests, the
+        step's measured seconds (0: not measured), and the seconds spent before it catching the
+        drafter's context up after skipped steps (a probe's; 0 otherwise)."""
+        if catchup > 0:
+            self._catchup = catchup
         if self.calibrate:
             self._observe_seconds(predicted is not None, rho, seconds)
         self._margin *= RUN_DECAY
         if predicted is None:
             return
         if K > 0:
-            self._accepted = [DECAY * self._accepted[0] + realized, DECAY * self._accepted[1] + n_live]
+            run = self._accepted
+            run[0], run[1] = ACCEPTED_DECAY * run[0] + realized, ACCEPTED_DECAY * run[1] + n_live
         if self.calibrate and K > 0:
             self._pred = DECAY * self._pred + predicted
             self._real = DECAY * self._real + realized
@@ -207,8 +224,7 @@ class Policy:
 
     def _observe_skip(self, predicted: float, n_live: int, rho: float) -> None:
         """Switch drafting off when recent drafting steps lose to AR steps on balance; back on when a
-        probe tips the balance; each probe that lost by itself doubles the probe period (up to
-        MAX_BACKOFF)."""
+        probe tips the balance."""
         value, ar_equiv = self.step_value(predicted, n_live, rho)
         self._margin += value - ar_equiv
         self._drafting_steps += 1
@@ -216,10 +232,8 @@ class Policy:
             if self._margin < 0 and self._drafting_steps >= self.patience:
                 self._skipped = 0  # switch drafting off
         elif self._margin > 0:  # a probe that tips the balance: drafting back on
-            self._skipped, self._backoff = -1, 1
-        else:  # keep drafting off; a probe that lost by itself doubles the period
+            self._skipped = -1
+        else:  # keep drafting off until the next probe
             self._skipped = 0
-            if value <= ar_equiv:
-                self._backoff = min(2 * self._backoff, MAX_BACKOFF)
         if self._skipped == 0:  # priced on what was just learned
             self._period = self.probe_period(self._configured[0])

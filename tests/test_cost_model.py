@@ -103,7 +103,7 @@ def test_skip_drafting_switches_off_after_patience_and_reprobes():
     assert drafted[:3] == [True, True, True]
     assert not any(drafted[3:7])  # switched off...
     assert drafted[7]  # ...then a probe after probe_every steps,
-    assert [i for i, d in enumerate(drafted) if d][3:] == [7, 17]  # the next after twice as many (backoff)
+    assert [i for i, d in enumerate(drafted) if d][3:] == [7, 12, 17, 22]  # one every probe period
 
 
 def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying():
@@ -155,6 +155,36 @@ def test_probes_are_rarer_where_drafting_costs_more_than_an_ar_step():
     for _ in range(30):  # drafting steps that get 5 drafts per row accepted: a probe commits 6 tokens a row
         p.observe(5.0 * 64, 5 * 64, 960, 64, 0.25)
     assert p.probe_period(64) == pytest.approx(1 + 2.0 / PROBE_BUDGET, abs=1)  # it loses 8 - 6 AR steps, not 7
+
+
+def test_probes_are_priced_on_what_drafting_usually_gets_not_on_the_last_hard_stretch():
+    """B = 1, a drafting step costs 2.9 AR steps. 200 steps that commit 4 tokens (drafting pays), then a
+    hard request (nothing accepted): drafting switches off within 30 steps, but probes stay cheap (the long
+    mean is ~2.4 accepted drafts, so a probe is expected to win), so they come every probe_every steps
+    instead of every ~127 (what the hard stretch alone would price them at)."""
+    p = Policy.dcut(CostTable([1], RHOS, [[1.0, 2.9, 3.0, 3.1, 3.2]]), RHOS, calibrate=False)
+    p.configure(1, 15)
+    for _ in range(200):
+        p.observe(3.0, 3, 4, 1, 0.25)
+    hard = 0
+    while p.draft_now():  # the hard request: drafting switches off
+        p.observe(0.0, 0, 4, 1, 0.25)
+        hard += 1
+    assert hard <= 30
+    steps = 1  # the AR step that draft_now() just chose
+    p.observe(None, 0, 0)
+    while not p.draft_now():
+        p.observe(None, 0, 0)
+        steps += 1
+    assert steps + 1 == p.probe_every  # the probe is step probe_every after switching off
+
+
+def test_a_probes_catch_up_of_the_drafters_context_makes_probes_rarer():
+    p = Policy.dcut(CostTable([64], RHOS, [[1.0, 8.0, 9.0, 10.0, 11.0]]), RHOS, calibrate=False)
+    p.configure(64, 15)
+    assert p.probe_period(64) == pytest.approx(1 + 7.0 / PROBE_BUDGET, abs=1)  # 7 AR steps lost a probe
+    p.observe(0.0, 0, 240, 64, 0.25, catchup=2.0)  # a probe that first spent 2 AR steps catching up
+    assert p.probe_period(64) == pytest.approx(1 + 9.0 / PROBE_BUDGET, abs=1)
 
 
 def test_policy_state_outlives_a_generate_call_but_skip_state_restarts_for_another_batch_size():

@@ -1,6 +1,6 @@
-"""Skipped drafting does not cost the drafter its context: while drafting is off, verification only
-stores the drafter's context features, and the next drafting step writes the missing context K/V from
-them (Engine._sync_drafter). Checked against the K/V computed from scratch over the committed text,
+"""Skipped drafting does not cost the drafter its context: while drafting is off, the prefill and
+verification only store the drafter's context features, and the next drafting step writes the missing
+context K/V from them (Engine._sync_drafter), reporting the seconds it took to the policy. Checked against the K/V computed from scratch over the committed text,
 with a control where the catch-up is switched off (the check must then fail)."""
 
 from __future__ import annotations
@@ -21,11 +21,18 @@ class SkipsThenDrafts(Policy):
 
     def __init__(self, skips: int):
         super().__init__("static", [0.5])
-        self.skip_drafting, self.skips = True, skips
+        self.skip_drafting, self.skips, self.catchups = True, skips, []
+
+    @property
+    def drafting_on(self) -> bool:  # off at the prefill: it stores only the drafter's features
+        return self.skips <= 0
 
     def draft_now(self) -> bool:
         self.skips -= 1
         return self.skips < 0
+
+    def observe(self, predicted, realized, K, n_live=1, rho=0.0, seconds=0.0, catchup=0.0):
+        self.catchups.append(catchup)
 
 
 @pytest.fixture
@@ -63,9 +70,12 @@ def test_drafting_after_skipped_steps_sees_the_whole_context(pair, monkeypatch, 
     prompts = [torch.randint(2, 90, (L,), generator=g).tolist() for L in (7, 12)]
     if not catch_up:
         monkeypatch.setattr(Engine, "_sync_drafter", lambda self, slots, synced: None)
-    engine = Engine(target, drafter, SkipsThenDrafts(skips=6), batch_size=2, max_seq=64, eos_ids=[], compile=False)
+    policy = SkipsThenDrafts(skips=6)
+    engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
     outputs, stats = engine.generate(prompts, 24)
     assert stats.rho_hist[0.0] == 6 and stats.rho_hist[0.5] >= 1  # skipped 6 steps, then drafted
+    if catch_up:  # only the first drafting step caught up, and its seconds reached the policy
+        assert policy.catchups[6] > 0 and policy.catchups[:6] == [0.0] * 6 and not any(policy.catchups[7:])
     err = context_kv_error(target, drafter, prompts, outputs)
     if catch_up:
         assert err < 1e-4
