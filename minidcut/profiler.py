@@ -21,10 +21,12 @@ def _sync(device) -> None:
 
 
 @torch.inference_mode()
-def time_steps(engine: Engine, context_len: int, repeats: int = 5, warmup: int = 2, on_done=None) -> list[list[float]]:
+def time_steps(engine: Engine, context_len: int, repeats: int = 5, warmup: int = 2, on_step=None) -> list[list[float]]:
     """Seconds of one step for every rho of engine.policy.rhos, all B rows live at `context_len`
     tokens of random context: [n_rho][repeats]. rho = 0 is an AR step (no drafting). Positions do
-    not advance, so every repeat sees the same context length."""
+    not advance, so every repeat sees the same context length. The rhos take turns (one step each,
+    round after round), so a machine that slows down for a while slows every rho alike, not the
+    one being timed then. on_step(rho) after every step, warm-up included."""
     B, dev, V = engine.B, engine.device, engine.target.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, V, (B, context_len), generator=gen).tolist()
@@ -34,24 +36,28 @@ def time_steps(engine: Engine, context_len: int, repeats: int = 5, warmup: int =
     limit = torch.full((B,), engine.D, dtype=torch.long, device=dev)
     policy = engine.policy
     args = (policy.cost_vector(B, dev), torch.tensor(float(B), device=dev), torch.tensor(1.0, device=dev))
-    out = []
-    for ri, K in enumerate(engine.Ks):
-        times = []
-        for rep in range(warmup + repeats):
-            _sync(dev)
-            t0 = time.perf_counter()
-            if K == 0:
-                commit = engine.graph("verify", 0, kv=False)(anchor, anchor_pos, None, None)[0]  # a step that skips drafting
-            else:
-                drafts, keep_lens, rho_idx = engine.graph("draft")(anchor, anchor_pos, limit, *args)[:3]
-                rho_idx.item()  # the real step's host sync
-                commit = engine.graph("verify", K)(anchor, anchor_pos, drafts, keep_lens[ri])[0]
-            commit.cpu()
-            if rep >= warmup:
-                times.append(time.perf_counter() - t0)
-        out.append(times)
-        if on_done is not None:
-            on_done(policy.rhos[ri])
+
+    def step(ri: int, K: int) -> float:
+        _sync(dev)
+        t0 = time.perf_counter()
+        if K == 0:
+            commit = engine.graph("verify", 0, kv=False)(anchor, anchor_pos, None, None)[0]  # a step that skips drafting
+        else:
+            drafts, keep_lens, rho_idx = engine.graph("draft")(anchor, anchor_pos, limit, *args)[:3]
+            rho_idx.item()  # the real step's host sync
+            commit = engine.graph("verify", K)(anchor, anchor_pos, drafts, keep_lens[ri])[0]
+        commit.cpu()
+        if on_step is not None:
+            on_step(policy.rhos[ri])
+        return time.perf_counter() - t0
+
+    for ri, K in enumerate(engine.Ks):  # warm-up (and compilation) first, rho by rho
+        for _ in range(warmup):
+            step(ri, K)
+    out = [[] for _ in engine.Ks]
+    for _ in range(repeats):
+        for ri, K in enumerate(engine.Ks):
+            out[ri].append(step(ri, K))
     return out
 
 
@@ -69,9 +75,10 @@ def nondecreasing(xs: list[float]) -> list[float]:
 
 
 def profile(target, drafter, batch_sizes: list[int], rhos: list[float], context_len: int,
-            repeats: int = 5, warmup: int = 2, compile: bool = True, on_done=None, meta=None) -> CostTable:
+            repeats: int = 5, warmup: int = 2, compile: bool = True, on_step=None, meta=None) -> CostTable:
     """A cost table measured on this machine: median step seconds for every (batch size, rho), made
-    nondecreasing in rho over the drafting steps (rho > 0; the raw medians are kept in the metadata)."""
+    nondecreasing in rho over the drafting steps (rho > 0; the raw medians are kept in the metadata).
+    on_step(B, rho) after every step."""
     rows, raw, spread = [], [], []
     max_seq = context_len + drafter.block_size + 8
     grid_policy = Policy("static", rhos) if len(rhos) > 1 else Policy.static(rhos[0])
@@ -79,7 +86,7 @@ def profile(target, drafter, batch_sizes: list[int], rhos: list[float], context_
     for B in batch_sizes:
         engine = Engine(target, drafter, grid_policy, batch_size=B, max_seq=max_seq, compile=compile)
         times = time_steps(engine, context_len, repeats, warmup,
-                           on_done=(lambda rho, B=B: on_done(B, rho)) if on_done else None)
+                           on_step=(lambda rho, B=B: on_step(B, rho)) if on_step else None)
         raw.append([statistics.median(t) for t in times])
         rows.append(raw[-1][:n_ar] + nondecreasing(raw[-1][n_ar:]))
         spread.append([(max(t) - min(t)) / statistics.median(t) for t in times])

@@ -45,3 +45,15 @@ def test_bad_arguments_are_one_line_errors(pair, argv, message, capsys):
                          *argv])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error:") and message in err
+
+
+def test_the_rhos_take_turns_so_a_slow_spell_of_the_machine_hits_every_rho_alike(pair):
+    from minidcut.loader import load_drafter, load_target
+    from minidcut.profiler import profile as measure
+    target = load_target(pair / "target")
+    drafter = load_drafter(pair / "drafter", target)
+    order = []
+    table = measure(target, drafter, [2], [0.0, 0.5, 1.0], 8, repeats=3, warmup=1, compile=False,
+                    on_step=lambda B, rho: order.append(rho))
+    assert order == [0.0, 0.5, 1.0] + [0.0, 0.5, 1.0] * 3  # warm-up rho by rho, then timed rounds
+    assert len(table.seconds[0]) == 3

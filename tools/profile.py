@@ -76,13 +76,13 @@ def main(argv=None) -> int:
     t0 = time.time()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("profiling", total=len(batch_sizes) * len(rhos))
+        task = bar.add_task("profiling", total=len(batch_sizes) * len(rhos) * (args.warmup + args.repeats))
 
-        def done(B, rho):
+        def step(B, rho):
             bar.update(task, advance=1, description=f"profiling B={B} rho={rho:g}")
 
         table = profile(target, drafter, batch_sizes, rhos, args.context_len, args.repeats, args.warmup,
-                        compile=not args.no_compile, on_done=done,
+                        compile=not args.no_compile, on_step=step,
                         meta={"target": str(args.target), "drafter": str(args.drafter)})
     table.meta["wall_seconds"] = round(time.time() - t0, 1)
     table.save(out)
