@@ -9,7 +9,8 @@
              drafting step the draft is already paid for, so rho = 0 is priced as a drafting step
              (cost of the smallest rho > 0) and the selector picks among the budgets; after the step,
              its predicted committed tokens (calibrated) are compared with what AR steps would commit
-             in the same time, n_live * cost(B, rho) / cost(B, 0). The differences are summed with
+             in the same time, n_live * cost(B, rho) / cost(B, 0). The differences (per row of the
+             batch: a step with few live rows weighs what it commits) are summed with
              a decay of RUN_DECAY per step (every step: evidence grows stale while drafting is off).
              When the sum says drafting loses (and the first `patience` drafting steps have run),
              stop drafting (it costs time at high B) and re-probe periodically: at most every
@@ -226,7 +227,9 @@ class Policy:
         """Switch drafting off when recent drafting steps lose to AR steps on balance; back on when a
         probe tips the balance."""
         value, ar_equiv = self.step_value(predicted, n_live, rho)
-        self._margin += value - ar_equiv
+        # Tokens gained over AR steps in this step's time, per row of the batch: a step with few live
+        # rows (the end of a batch: each keeps more of the budget) counts for what it commits.
+        self._margin += (value - ar_equiv) * n_live / self._configured[0]
         self._drafting_steps += 1
         if self._skipped < 0:  # drafting is on
             if self._margin < 0 and self._drafting_steps >= self.patience:

@@ -157,6 +157,24 @@ def test_probes_are_rarer_where_drafting_costs_more_than_an_ar_step():
     assert p.probe_period(64) == pytest.approx(1 + 2.0 / PROBE_BUDGET, abs=1)  # it loses 8 - 6 AR steps, not 7
 
 
+def test_steps_with_few_live_rows_weigh_what_they_commit():
+    """B = 8, a drafting step costs 3 AR steps. Full-batch steps commit 2.5 tokens a row (8 rows: 4 tokens
+    fewer than AR steps in their time); at the end of a batch one live row keeps more of the budget and
+    commits 7 (4 more). Two tail steps and six full ones, over and over: 16 tokens lost each time, so drafting
+    must switch off, though the tail steps win by more per row than the full ones lose."""
+    p = Policy.dcut(CostTable([8], RHOS, [[1.0, 3.0, 3.2, 3.4, 3.6]]), RHOS, calibrate=False, patience=2)
+    p.configure(8, 15)
+    switched_off = False
+    for _ in range(3):
+        for n_live, predicted in [(1, 6.0)] * 2 + [(8, 12.0)] * 6:  # a batch's tail, then the next batch
+            if p.draft_now():
+                p.observe(predicted, int(predicted), 30, n_live, 0.25)
+            else:
+                switched_off = True
+                p.observe(None, 0, 0, n_live)
+    assert switched_off
+
+
 def test_probes_are_priced_on_what_drafting_usually_gets_not_on_the_last_hard_stretch():
     """B = 1, a drafting step costs 2.9 AR steps. 200 steps that commit 4 tokens (drafting pays), then a
     hard request (nothing accepted): drafting switches off within 30 steps, but probes stay cheap (the long
