@@ -192,10 +192,8 @@ class Policy:
 
     def draft_now(self) -> bool:
         """False while drafting is switched off; every probe period one probe drafts again."""
-        if not self.drafting_possible:
-            return False
-        if self._skipped < 0:
-            return True
+        if self.drafting_on or not self.drafting_possible:
+            return self.drafting_on
         self._skipped += 1
         return self._skipped >= self._period
 
