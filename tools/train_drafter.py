@@ -10,6 +10,10 @@ A block's queries see the context features strictly before its anchor and their 
 token at position anchor + k, weighted by exp(-(k - 1) / decay): early slots matter most, since a draft
 is only useful if all before it are accepted.
 
+Data: by default the target continues windows of the stdlib corpus here; `--data FILE` trains on a
+data file of tools/distill.py instead (e.g. chat answers; anchors then start at each answer's first
+token). Sequences may differ in length: a slot whose label lies past its sequence's end is not counted.
+
 The output directory has z-lab's key names and config keys, so minidcut loads it like a z-lab drafter.
 
     python tools/train_drafter.py --target models/llama-stdlib-4m --out models/llama-stdlib-4m-dflash
@@ -56,6 +60,13 @@ def parse_args(argv=None):
     p.add_argument("--mask-token", default="<|mask|>", help="mask token (a token of the target's tokenizer)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (overrides --mask-token)")
     p.add_argument("--corpus", default=None, help="text corpus directory (default: the Python stdlib)")
+    p.add_argument("--data", default=None, help="train on this tools/distill.py data file instead of "
+                   "distilling corpus windows (--sequences, --prompt-len, --seq-len, --corpus are then unused)")
+    p.add_argument("--features-cache", default=None,
+                   help="keep the target's tapped features of --data in this file (made once, then reused)")
+    p.add_argument("--bf16", action="store_true",
+                   help="train under bfloat16 autocast (fp32 master weights): several times faster on "
+                        "CPUs with bf16 instructions")
     p.add_argument("--sequences", type=int, default=1024, help="self-distilled training sequences")
     p.add_argument("--prompt-len", type=int, default=64, help="corpus tokens before each continuation")
     p.add_argument("--seq-len", type=int, default=256, help="prompt + greedy continuation length")
@@ -85,8 +96,8 @@ def mask_token_id(args, target_dir: Path) -> int:
 
 
 @torch.no_grad()
-def distill(target, prompts: torch.Tensor, gen_len: int, console: Console) -> torch.Tensor:
-    """The target's greedy continuations of `prompts` [N, P] -> sequences [N, P + gen_len]."""
+def distill(target, prompts: torch.Tensor, gen_len: int, console: Console) -> list[torch.Tensor]:
+    """The target's greedy continuations of `prompts` [N, P] -> N sequences [P + gen_len]."""
     B = 64
     out = []
     with progress(console) as bar:
@@ -99,19 +110,37 @@ def distill(target, prompts: torch.Tensor, gen_len: int, console: Console) -> to
             out += [p + g for p, g in zip(chunk, gens)]
             bar.advance(task, len(chunk))
     target.caches = torch.nn.ModuleList()
-    return torch.tensor(out, device=prompts.device)
+    return [torch.tensor(x, device=prompts.device) for x in out]
 
 
 @torch.no_grad()
-def target_features(target, seqs: torch.Tensor, taps: tuple[int, ...]):
-    """For each sequence: tapped hidden states [N, L, n_taps*H] (bf16) and greedy next tokens [N, L]."""
+def target_features(target, seqs: list[torch.Tensor], taps: tuple[int, ...], console: Console | None = None):
+    """For each sequence [L_i]: tapped hidden states [L_i, n_taps*H] (bf16) and the target's greedy
+    next token at every position [L_i]."""
     feats, labels = [], []
-    for s in seqs:
-        layout, _ = prefill_layout([0], [len(s)], s.device)
-        logits, tapped = target(s, layout, taps=taps)
-        feats.append(tapped.to(torch.bfloat16))
-        labels.append(logits.argmax(-1))
-    return torch.stack(feats), torch.stack(labels)
+    with progress(console or Console(quiet=True)) as bar:
+        task = bar.add_task("target features", total=len(seqs), info="")
+        for s in seqs:
+            layout, _ = prefill_layout([0], [len(s)], s.device)
+            logits, tapped = target(s, layout, taps=taps)
+            feats.append(tapped.to(torch.bfloat16))
+            labels.append(logits.argmax(-1))
+            bar.advance(task)
+    return feats, labels
+
+
+def pad_batch(seqs, feats, labels, starts, idx):
+    """Sequences idx of ragged lists -> padded tensors: seqs, labels [N, L]; feats [N, L, F];
+    starts, lens [N]. Padding is never visible: anchors stay below each sequence's length."""
+    lens = torch.tensor([len(seqs[i]) for i in idx])
+    L = int(lens.max())
+
+    def pad(xs):
+        out = xs[idx[0]].new_zeros(len(idx), L, *xs[idx[0]].shape[1:])
+        for j, i in enumerate(idx):
+            out[j, : len(xs[i])] = xs[i]
+        return out
+    return pad(seqs), pad(feats), pad(labels), torch.tensor([starts[i] for i in idx]), lens
 
 
 def block_forward(drafter: DFlashDrafter, target, feats, seqs, anchors):
@@ -120,7 +149,7 @@ def block_forward(drafter: DFlashDrafter, target, feats, seqs, anchors):
     N, L = seqs.shape
     A, Bs = anchors.shape[1], drafter.block_size
     dev = seqs.device
-    ctx = drafter.hidden_norm(drafter.fc(feats.float()))  # [N, L, H]
+    ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))  # [N, L, H]
     pos_blk = anchors[..., None] + torch.arange(Bs, device=dev)  # [N, A, Bs]
     tok = torch.full((N, A, Bs), drafter.cfg.mask_token_id, device=dev)
     tok[..., 0] = seqs.gather(1, anchors)
@@ -142,28 +171,70 @@ def block_forward(drafter: DFlashDrafter, target, feats, seqs, anchors):
         heads = lambda t, n: t.view(N, n, *t.shape[1:]).transpose(1, 2)  # [N, h, n, Dh]
         k = torch.cat([heads(kc, L), heads(kb, A * Bs)], dim=2)
         v = torch.cat([heads(vc, L), heads(vb, A * Bs)], dim=2)
-        o = F.scaled_dot_product_attention(heads(q, A * Bs), k, v, attn_mask=mask, enable_gqa=True)
+        o = F.scaled_dot_product_attention(heads(q, A * Bs), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           enable_gqa=True)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(N, A * Bs, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.norm(x).view(N, A, Bs, -1)
 
 
-def drafter_loss(drafter, target, feats, seqs, labels, args, gen: torch.Generator):
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum_m w[m] * CE(hidden[m] @ weight.T, y[m]) for a frozen weight [V, H], in row chunks: the
+    [M, V] logits never exist at once, and each chunk's gradient (softmax - onehot) is taken while
+    its logits are at hand, so backward is one saved [M, H] tensor. Also returns top-1 hits [M]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, y, w, chunk: int = 512):
+        grad = torch.empty_like(hidden)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        hits = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        wt = weight.to(hidden.dtype)
+        # Buffers reused chunk after chunk (fresh [m, V] allocations cost more than the math here).
+        low = hidden.new_empty(min(chunk, hidden.shape[0]), wt.shape[0])  # [m, V] in the matmul dtype
+        buf = low.float() if low.dtype != torch.float32 else low
+        for i in range(0, hidden.shape[0], chunk):
+            h, yi, wi = hidden[i:i + chunk], y[i:i + chunk], w[i:i + chunk]
+            n = len(yi)
+            logits = buf[:n].copy_(torch.mm(h, wt.T, out=low[:n]))  # [m, V] fp32
+            top, arg = logits.max(dim=-1)  # [m]
+            hits[i:i + chunk] = arg == yi
+            z_y = logits.gather(1, yi[:, None])[:, 0] - top  # [m]
+            p = logits.sub_(top[:, None]).exp_()  # in place: unnormalised softmax [m, V]
+            norm = p.sum(-1)  # [m]
+            total += (wi * (norm.log() - z_y)).sum()
+            p.mul_((wi / norm)[:, None])  # w * softmax
+            p[torch.arange(len(yi), device=p.device), yi] -= wi  # w * (softmax - onehot)
+            grad[i:i + chunk] = torch.mm(low[:n].copy_(p), wt).to(hidden.dtype)
+        ctx.save_for_backward(grad)
+        return total, hits
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_hits):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total, None, None, None, None
+
+
+def drafter_loss(drafter, target, seqs, feats, labels, starts, lens, args, gen: torch.Generator):
     """Decay-weighted cross-entropy of slots 1..D against the target's greedy tokens; also returns
-    the top-1 agreement of slot 1."""
-    N, L = seqs.shape
+    the top-1 agreement of slot 1. seqs, labels [N, L]; feats [N, L, F]; starts, lens [N]: anchors are
+    drawn in [starts, lens - 2] (slot 1 always has a label); slots past the sequence's end count 0."""
+    N = seqs.shape[0]
     Bs = drafter.block_size
     dev = seqs.device
-    anchors = torch.randint(1, L - Bs + 1, (N, args.anchors), generator=gen).to(dev)  # [N, A]
+    span = (lens - 1 - starts).clamp_min(1)  # anchors per sequence to choose from
+    anchors = starts[:, None] + (torch.rand(N, args.anchors, generator=gen) * span[:, None]).long()  # [N, A]
+    anchors = anchors.to(dev)
     hidden = block_forward(drafter, target, feats, seqs, anchors)[:, :, 1:]  # [N, A, D, H]
-    logits = target.lm_head(hidden).float()  # [N, A, D, V]
     # Slot k predicts the target's greedy token after position anchor + k - 1.
     idx = anchors[..., None] + torch.arange(Bs - 1, device=dev)  # [N, A, D]
-    y = labels.gather(1, idx.view(N, -1)).view_as(idx)
-    w = torch.exp(-torch.arange(Bs - 1, dtype=torch.float32, device=dev) / args.decay)  # [D]
-    ce = F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(y)
-    loss = (ce * w).sum(-1).mean() / w.sum()
-    acc1 = (logits[..., 0, :].argmax(-1) == y[..., 0]).float().mean()
+    valid = idx <= (lens.to(dev) - 2)[:, None, None]  # [N, A, D]: a label exists there
+    y = labels.gather(1, idx.clamp(max=labels.shape[1] - 1).view(N, -1)).view_as(idx)
+    w = torch.exp(-torch.arange(Bs - 1, dtype=torch.float32, device=dev) / args.decay) * valid  # [N, A, D]
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
+    total, hits = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]).to(dtype),
+                                           target.lm_head.weight, y.flatten(), w.flatten())
+    loss = total / w.sum()
+    acc1 = hits.view_as(y)[..., 0].float().mean()
     return loss, acc1
 
 
@@ -233,18 +304,37 @@ def main(argv=None):
     target_dir = Path(args.target)
     target = load_target(target_dir, torch.float32, args.device)
     mask_id = mask_token_id(args, target_dir)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    windows = corpus.sequences("train", tok, args.prompt_len, args.corpus)  # [S, P]
-    pick = torch.randperm(len(windows), generator=gen)[: args.sequences]
-    console.print(f"self-distilling {len(pick)} sequences of {args.seq_len} tokens from {target_dir}")
-    seqs = distill(target, windows[pick].to(args.device), args.seq_len - args.prompt_len, console)  # [N, L]
+    if args.data:
+        data = torch.load(args.data)
+        seqs = [torch.tensor(x, device=args.device) for x in data["sequences"]]
+        starts = list(data["starts"])
+        console.print(f"{len(seqs)} sequences from {args.data} ({sum(map(len, seqs))} tokens)")
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(target_dir)
+        windows = corpus.sequences("train", tok, args.prompt_len, args.corpus)  # [S, P]
+        pick = torch.randperm(len(windows), generator=gen)[: args.sequences]
+        console.print(f"self-distilling {len(pick)} sequences of {args.seq_len} tokens from {target_dir}")
+        seqs = distill(target, windows[pick].to(args.device), args.seq_len - args.prompt_len, console)
+        starts = [1] * len(seqs)
+    keep = [i for i, (q, st) in enumerate(zip(seqs, starts)) if len(q) - st >= 2]  # an anchor and a label
+    seqs, starts = [seqs[i] for i in keep], [starts[i] for i in keep]
     if args.init:
         drafter = load_drafter(args.init, target, torch.float32, args.device).train().requires_grad_(True)
         args.block_size = drafter.block_size
     else:
         drafter = build_drafter(args, target.cfg, mask_id).to(args.device)
-    feats, labels = target_features(target, seqs, drafter.taps)
+    cache = Path(args.features_cache) if args.features_cache else None
+    if cache is not None and cache.is_file():
+        cached = torch.load(cache)
+        if cached["taps"] != list(drafter.taps) or len(cached["feats"]) != len(seqs):
+            raise SystemExit(f"error: {cache} holds features of other taps or data; delete it")
+        feats, labels = cached["feats"], cached["labels"]
+    else:
+        feats, labels = target_features(target, seqs, drafter.taps, console)
+        if cache is not None:
+            torch.save({"taps": list(drafter.taps), "feats": feats, "labels": labels}, cache)
+    t_train = time.time()
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     warm = max(args.steps // 20, 1)
     ema = first = None
@@ -254,8 +344,10 @@ def main(argv=None):
             lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
             for g in opt.param_groups:
                 g["lr"] = lr
-            idx = torch.randint(0, len(seqs), (args.batch_size,), generator=gen).to(args.device)
-            loss, acc1 = drafter_loss(drafter, target, feats[idx], seqs[idx], labels[idx], args, gen)
+            idx = torch.randint(0, len(seqs), (args.batch_size,), generator=gen).tolist()
+            batch = pad_batch(seqs, feats, labels, starts, idx)
+            with torch.autocast(torch.device(args.device).type, torch.bfloat16, enabled=args.bf16):
+                loss, acc1 = drafter_loss(drafter, target, *batch, args, gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -266,7 +358,10 @@ def main(argv=None):
             if not console.is_terminal and (step + 1) % 50 == 0:  # a log line when not on a terminal
                 console.log(f"step {step + 1}/{args.steps} loss {ema:.3f} acc@1 {acc1.item():.2f}")
     log = {"command": " ".join(["python", "tools/train_drafter.py", *(argv or sys.argv[1:])]),
-           "wall_seconds": round(time.time() - t_start, 1), "first_loss": first, "final_loss_ema": ema,
+           "wall_seconds": round(time.time() - t_start, 1), "train_seconds": round(time.time() - t_train, 1),
+           "steps": args.steps, "sequences": len(seqs), "tokens": sum(map(len, seqs)),
+           "trained_positions": sum(len(q) - st for q, st in zip(seqs, starts)),
+           "first_loss": first, "final_loss_ema": ema,
            "parameters": sum(p.numel() for p in drafter.parameters()),
            "target": str(target_dir), "seed": args.seed}
     if args.init:  # the run this one continues, so the log keeps the whole recipe
