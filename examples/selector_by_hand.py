@@ -1,6 +1,6 @@
 """The D-cut selector on real numbers: draft one batch with the demo drafter, then show the [B, D]
 confidences, the prefix scores, what each rho keeps, gain / cost per rho and rho*, and what the target
-then accepted (PAPER.md section 3, steps 1-7, run by hand in eager mode).
+then accepted (docs/method.md, "One D-cut step", run by hand in eager mode).
 
     python examples/selector_by_hand.py [--target DIR --drafter DIR] [--batch-size 6]
 """
@@ -37,16 +37,16 @@ prompts = [x["input_ids"] if "input_ids" in x else tok.encode(x["prompt"], add_s
 B, D = len(prompts), drafter.block_size - 1
 RHOS = [0.0, 0.25, 0.5, 0.75, 1.0]
 path = table_path(device, args.target, args.drafter, dtype)
-table = CostTable.load(path) if path.is_file() else CostTable([B], RHOS, [[1.0, 1.6, 2.2, 2.8, 3.4]],
-                                                               {"note": "illustrative, not measured"})
-if not path.is_file():
-    console.print(f"[yellow]no measured cost table at {path}: using an illustrative one[/]")
+table = CostTable.load(path) if path.is_file() else None
+if table is None or table.row(B, RHOS) is None:
+    console.print(f"[yellow]no measured cost row for B = {B} at {path}: using an illustrative one[/]")
+    table = CostTable([B], RHOS, [[1.0, 1.6, 2.2, 2.8, 3.4]], {"note": "illustrative, not measured"})
 engine = Engine(target, drafter, Policy.dcut(table, RHOS), batch_size=B,
                 max_seq=max(map(len, prompts)) + 2 * drafter.block_size, eos_ids=[], compile=False)
 
 with torch.inference_mode():
     # Prefill: every prompt into its row; the first generated token becomes the anchor.
-    anchor = engine._prefill(list(range(B)), [Request(i, pr, 1) for i, pr in enumerate(prompts)])
+    anchor = engine.prefill(list(range(B)), [Request(i, pr, 1) for i, pr in enumerate(prompts)])
     anchor_pos = torch.tensor([len(pr) for pr in prompts], device=device)
     # Step 1: draft one block per row; c[i, k] = the drafter's probability of its own draft.
     logits = drafter(target, anchor, anchor_pos).float()  # [B, D, V]
@@ -57,7 +57,7 @@ with torch.inference_mode():
     Ks = [dcut.budget(r, B, D) for r in RHOS]
     keep = dcut.keep_lens(log_s, Ks)  # [n_rho, B]
     gain = dcut.gains(log_s, Ks, torch.tensor(float(B)))  # expected committed tokens per step
-    cost = torch.tensor(table.costs(B, RHOS))
+    cost = torch.tensor(table.row(B, RHOS))
     best = int(dcut.choose_rho(gain, cost))
 
 t = Table(title="c[i, k] in %: drafter confidence of each draft (row = request, column = depth k)")
@@ -87,7 +87,8 @@ console.print(t)
 
 # Steps 6-7: pack anchor + kept prefixes into T tokens, verify with the target, accept.
 with torch.inference_mode():
-    commit, n_commit, _, _ = engine._verify(anchor, anchor_pos, drafts, keep[shown], Ks[shown])
+    request_ids = torch.arange(B, device=device)  # the sampling keys (unused when greedy)
+    commit, n_commit, _, _ = engine.graph("verify", B, Ks[shown])(anchor, anchor_pos, request_ids, drafts, keep[shown])
 t = Table(title=f"verification at rho = {RHOS[shown]:g}" + (" (rho*)" if shown == best else " (rho* = 0 would verify "
           "anchors only)") + ": accepted drafts (+1 bonus) per request")
 for c in ("i", "keep_len", "accepted", "committed text"):

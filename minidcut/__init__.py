@@ -5,11 +5,12 @@ confident K = rho * B * D draft positions for verification, with rho chosen per 
 measured on this machine. The output is exactly what the target alone would produce.
 """
 
-from .api import build_policy, load_pair, load_tokenizer
+from .api import build_policy, cost_table, load_pair, load_tokenizer
 from .cost_model import CostTable
 from .engine import Engine, Stats
 from .loader import load_drafter, load_target
-from .policy import Policy
+from .policy import Policy, StepRecord
+from .runtime import default_compile, setup
 
-__all__ = ["load_pair", "load_tokenizer", "build_policy", "load_target", "load_drafter", "Engine",
-           "Stats", "Policy", "CostTable"]
+__all__ = ["setup", "load_pair", "load_tokenizer", "build_policy", "cost_table", "load_target",
+           "load_drafter", "Engine", "Stats", "Policy", "StepRecord", "CostTable", "default_compile"]

@@ -24,69 +24,38 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import dcut
-from .api import load_pair, load_tokenizer, parse_batch_sizes
-from .cost_model import CostTable, CostTableError, table_path
-from .engine import Engine
-from .generate import DEFAULT_DRAFTER, DEFAULT_TARGET, MODELS, UserError, run_reporting_errors
-from .policy import DEFAULT_GRID, Policy
-from .profiler import profile
+from . import cli, dcut, runtime
+from .api import build_policy, cost_table, load_pair, load_tokenizer, parse_policy, resolve_device
+from .engine import Engine, batch_buckets
+from .policy import DEFAULT_GRID
 
-DEFAULT_PROMPTS = MODELS / "prompts_heldout.jsonl"
+DEFAULT_PROMPTS = cli.MODELS / "prompts_heldout.jsonl"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m minidcut.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default=str(DEFAULT_TARGET), help="target model directory (HF layout)")
-    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="DFlash drafter directory")
+    p.add_argument("--target", default=str(cli.DEFAULT_TARGET), help="target model directory (HF layout)")
+    p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="DFlash drafter directory")
     p.add_argument("--batch-sizes", default="1,4,16,32,64", help="comma-separated batch sizes B")
     p.add_argument("--policies", default="ar,full,static:0.25,static:0.5,static:0.75,dcut",
                    help="comma-separated: ar, full, static:R, dcut, dcut:accepted, dcut:paper, dcut:nocal, dcut:noskip")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL of {\"prompt\"} or {\"input_ids\"}")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
+                   help='JSONL of {"prompt": ...}, {"input_ids": [...]} or {"messages": [...]} lines')
+    p.add_argument("--chat", action="store_true", help="put each prompt under the tokenizer's chat template")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 16))")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (EOS ignored)")
     p.add_argument("--repeats", type=int, default=2, help="timed passes per policy (the median is kept)")
-    p.add_argument("--cost-table", default=None, help="default: this pair's table under compile_cache/")
+    p.add_argument("--cost-table", default=None, help="default: this pair's table under compile_cache/ "
+                   "(batch sizes it lacks are measured first)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"CPU threads (default: all cores but one, here {runtime.default_threads()})")
     p.add_argument("--no-compile", action="store_true", help="run eager (no torch.compile graphs)")
     p.add_argument("--output", default=None, help="JSON with every figure")
     p.add_argument("--plot", default=None, help="PNG: speedup over AR vs batch size (needs matplotlib)")
     return p.parse_args(argv)
-
-
-def make_policy(spec: str, table: CostTable | None) -> Policy:
-    name, _, arg = spec.partition(":")
-    if name in ("ar", "full"):
-        return Policy.ar() if name == "ar" else Policy.full()
-    if name == "static":
-        try:
-            return Policy.static(float(arg))
-        except ValueError:
-            raise UserError(f"policy {spec!r}: static needs a rho, e.g. static:0.5") from None
-    if name == "dcut":
-        variants = {"": {}, "accepted": {"count_anchors": False}, "nocal": {"calibrate": False},
-                    "noskip": {"skip_drafting": False},
-                    "paper": {"count_anchors": False, "calibrate": False, "skip_drafting": False}}
-        if arg not in variants:
-            raise UserError(f"unknown dcut variant {arg!r} (choose from {', '.join(v for v in variants if v)})")
-        p = Policy.dcut(table, DEFAULT_GRID, **variants[arg])
-        p.label_override = spec
-        return p
-    raise UserError(f"unknown policy {spec!r}")
-
-
-def read_prompt_ids(path: str, tokenizer) -> list[list[int]]:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"prompts file {p} not found")
-    out = []
-    for line in p.read_text().splitlines():
-        if line.strip():
-            obj = json.loads(line)
-            out.append(obj["input_ids"] if "input_ids" in obj else tokenizer.encode(obj["prompt"], add_special_tokens=False))
-    return out
 
 
 @torch.inference_mode()
@@ -112,10 +81,10 @@ def selector_seconds(B: int, D: int, rhos, device, compile: bool, reps: int = 50
 def bench_batch(B, specs, table, target, drafter, prompts, args, console) -> list[dict]:
     n = args.num_prompts or max(2 * B, 16)
     ids = (prompts * (n // len(prompts) + 1))[:n]
-    max_seq = max(len(p) for p in ids) + args.max_new_tokens + drafter.block_size + 1
+    max_seq = cli.max_seq(ids, args.max_new_tokens, drafter.block_size)
     engines, rows = {}, {}
     for spec in specs:
-        policy = make_policy(spec, table)
+        policy = build_policy(spec, table=table)
         engines[spec] = Engine(target, drafter if policy.needs_drafter else None, policy, batch_size=B,
                                max_seq=max_seq, eos_ids=[], compile=not args.no_compile)
         t0 = time.perf_counter()  # warm-up: compiles every graph this policy can reach
@@ -134,7 +103,8 @@ def bench_batch(B, specs, table, target, drafter, prompts, args, console) -> lis
         rec = {"batch_size": B, "policy": spec, "warmup_seconds": rows[spec]["warmup_seconds"],
                "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
                "tokens_per_second_runs": [r["tokens_per_second"] for r in runs], **{
-                   k: mid[k] for k in ("tau", "keep_ratio", "rho_histogram", "seconds", "steps", "generated_tokens",
+                   k: mid[k] for k in ("tau", "keep_ratio", "rho_histogram", "bucket_histogram", "seconds",
+                                       "steps", "generated_tokens",
                                        "predicted_accepted_raw", "predicted_accepted", "realized_accepted",
                                        "drafting_request_steps")}}
         if rec["drafting_request_steps"]:
@@ -217,13 +187,9 @@ def summarize(records: list[dict]) -> dict:
 
 
 def plot(records: list[dict], path: str, console: Console) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        console.print("[yellow]note:[/] matplotlib is not installed (pip install matplotlib): plot skipped")
-        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     for spec in dict.fromkeys(r["policy"] for r in records):
         rs = [r for r in records if r["policy"] == spec and r["speedup_vs_ar"]]
@@ -242,37 +208,37 @@ def plot(records: list[dict], path: str, console: Console) -> None:
 def check_args(args) -> tuple[list[str], list[int]]:
     """Policies and batch sizes from the command line; bad values are a one-line error before any work."""
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
-    for spec in specs:
-        make_policy(spec, CostTable([1], [0.0], [[1.0]]))  # raises UserError for an unknown policy
-    batch_sizes = parse_batch_sizes(args.batch_sizes)
     if not specs:
-        raise UserError("--policies: need at least one policy")
-    for name in ("max_new_tokens", "repeats", "num_prompts"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        raise cli.UserError("--policies: need at least one policy")
+    for spec in specs:
+        parse_policy(spec)
+    batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
+    cli.check_positive(args, "max_new_tokens", "repeats", "num_prompts", "threads")
+    resolve_device(args.device)
+    cli.check_writable(args.output, "--output")
+    cli.check_writable(args.plot, "--plot")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise cli.UserError('--plot needs matplotlib: pip install -e ".[plot]"') from None
     return specs, batch_sizes
 
 
 def run(args, console: Console) -> int:
     specs, batch_sizes = check_args(args)
+    runtime.setup(args.threads)
     target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device)
     tokenizer = load_tokenizer(args.target)
-    prompts = read_prompt_ids(args.prompts, tokenizer)
+    prompts, _ = cli.read_prompts(args.prompts, None, tokenizer, args.chat, args.target)
     table = None
     if any(s.startswith("dcut") for s in specs):
-        path = Path(args.cost_table) if args.cost_table else table_path(device, args.target, args.drafter, dtype)
-        if path.is_file():
-            table = CostTable.load(path)
-        elif args.cost_table:
-            raise CostTableError(f"cost table {path} not found")
-        else:
-            console.print(f"[yellow]warning:[/] no cost table at {path}; profiling B = {batch_sizes} now "
-                          f"(tools/profile.py makes a full one)")
-            ctx = max(len(p) for p in prompts) + args.max_new_tokens // 2
-            table = profile(target, drafter, batch_sizes, list(DEFAULT_GRID), ctx, repeats=3, warmup=1,
-                            compile=not args.no_compile, meta={"target": args.target, "drafter": args.drafter})
-            table.save(path)
+        buckets = sorted({b for B in batch_sizes for b in batch_buckets(B)})
+        context = max(len(p) for p in prompts) + args.max_new_tokens // 2
+        with cli.status(console, "cost table") as status:
+            table = cost_table(target, drafter, args.target, args.drafter, buckets, DEFAULT_GRID, args.cost_table,
+                               not args.no_compile, context, log=console.print,
+                               on_step=lambda B, rho: status.update(f"measuring the cost table: B={B} rho={rho:g}"))
     records = []
     for B in batch_sizes:
         records += bench_batch(B, specs, table, target, drafter, prompts, args, console)
@@ -287,7 +253,8 @@ def run(args, console: Console) -> int:
                       + (f"; dcut vs the better of the two: {both:.2f}x" if both else ""))
     result = {"target": args.target, "drafter": args.drafter, "device": str(device), "dtype": str(dtype),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
-              "cost_table": table.to_json() if table else None, "summary": summary, "records": records}
+              "compiled": not args.no_compile, "cost_table": table.to_json() if table else None,
+              "summary": summary, "records": records}
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
         console.print(f"wrote {args.output}")
@@ -297,7 +264,7 @@ def run(args, console: Console) -> int:
 
 
 def main(argv=None) -> int:
-    return run_reporting_errors(run, parse_args(argv), Console())
+    return cli.run_reporting_errors(run, parse_args(argv), Console())
 
 
 if __name__ == "__main__":

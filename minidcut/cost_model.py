@@ -1,8 +1,11 @@
 """Cost tables: measured seconds per complete speculative step, by batch size and rho
-(PAPER.md section 3 step 5). rho = 0 is an AR step without drafting.
+(docs/method.md, "Choosing rho"). rho = 0 is an AR step without drafting.
 
-A table lives in compile_cache/cost_tables/<device>__<target>__<drafter>__<dtype>.json and is made by
-tools/profile.py (or by the engine's quick profile when none exists).
+A table lives in compile_cache/cost_tables/<device>__<target>__<drafter>__<dtype>.json. tools/profile.py
+measures one; the CLIs and api.build_policy measure the batch sizes a run needs that it lacks
+(profiler.py). A table is only used for what it was measured on: its `fingerprint` (device, threads,
+torch, dtype, compiled or eager, the two model configs) must match the run's, and only its own
+batch-size rows are read, never scaled to another batch size.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class CostTable:
 
     def __post_init__(self):
         s = np.asarray(self.seconds, dtype=float)
+        if s.size == 0 and not self.batch_sizes:
+            s = s.reshape(0, len(self.rhos))
         if s.shape != (len(self.batch_sizes), len(self.rhos)):
             raise CostTableError(f"cost table seconds have shape {list(s.shape)}, expected "
                                  f"[{len(self.batch_sizes)}, {len(self.rhos)}]")
@@ -40,20 +45,21 @@ class CostTable:
         if sorted(self.batch_sizes) != self.batch_sizes or sorted(self.rhos) != self.rhos:
             raise CostTableError("cost table batch_sizes and rhos must be increasing")
 
-    def cost(self, B: int, rho: float) -> float:
-        """Seconds per step at batch size B and budget ratio rho: linear interpolation in rho, and in
-        B between profiled sizes (beyond the ends: scaled in proportion to B, the compute-bound limit)."""
-        s = np.asarray(self.seconds, dtype=float)
-        per_b = np.array([np.interp(rho, self.rhos, row) for row in s])  # [n_b]
-        bs = self.batch_sizes
-        if B <= bs[0]:
-            return float(per_b[0])  # small batches are latency-bound: no cheaper than the smallest
-        if B >= bs[-1]:
-            return float(per_b[-1] * B / bs[-1])
-        return float(np.interp(B, bs, per_b))
+    def row(self, B: int, rhos) -> list[float] | None:
+        """Seconds per step at batch size B for each of rhos; None unless all were measured at B."""
+        if B not in self.batch_sizes or any(r not in self.rhos for r in rhos):
+            return None
+        row = self.seconds[self.batch_sizes.index(B)]
+        return [row[self.rhos.index(r)] for r in rhos]
 
-    def costs(self, B: int, rhos: list[float]) -> list[float]:
-        return [self.cost(B, r) for r in rhos]
+    def add_row(self, B: int, seconds: list[float]) -> None:
+        """Insert (or replace) the measured row of batch size B (one value per rho of the table)."""
+        if len(seconds) != len(self.rhos):
+            raise CostTableError(f"a row of {len(seconds)} costs for a table of {len(self.rhos)} rhos")
+        rows = dict(zip(self.batch_sizes, self.seconds))
+        rows[B] = list(seconds)
+        self.batch_sizes = sorted(rows)
+        self.seconds = [rows[b] for b in self.batch_sizes]
 
     def to_json(self) -> dict:
         return {"batch_sizes": self.batch_sizes, "rhos": self.rhos, "seconds": self.seconds, "meta": self.meta}
@@ -76,6 +82,16 @@ class CostTable:
                 raise
             raise CostTableError(f"cost table {path} is corrupt ({type(e).__name__}: {e}); "
                                  "delete it and run tools/profile.py") from None
+
+
+def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: bool) -> dict:
+    """What a table's seconds depend on: a table measured under another fingerprint is not used."""
+    def config_hash(d) -> str:
+        cfg = Path(d) / "config.json"
+        return hashlib.sha1(cfg.read_bytes()).hexdigest()[:12] if cfg.is_file() else "none"
+    return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "dtype": str(dtype).replace("torch.", ""), "compiled": bool(compiled),
+            "target_config": config_hash(target_dir), "drafter_config": config_hash(drafter_dir)}
 
 
 def device_name(device) -> str:

@@ -1,4 +1,4 @@
-"""The D-cut selector (PAPER.md section 3): pure, vectorized tensor functions, traced into the
+"""The D-cut selector (docs/method.md, "One D-cut step"): pure, vectorized tensor functions, traced into the
 compiled draft graph. Nothing here syncs with the host.
 
   c[i, k]      confidence of request i's draft at depth k (k = 1..D)

@@ -1,42 +1,35 @@
-"""The engine: continuous batching over B cache rows, one speculative step at a time.
+"""The engine: continuous batching over up to B cache rows, one speculative step at a time.
 
-A step (PAPER.md section 3, steps 1-7):
-  draft graph   drafter fills a block per row -> confidences [B, D] -> prefix scores -> keep_len [n_rho, B]
-                and gain [n_rho] for every rho in the grid -> rho* = argmax gain / cost   (one graph per B)
-  host          rho*.item(): the one host sync of the step; it picks the verify graph
-  verify graph  pack anchor + kept prefix of every row into T = B + K(rho*) tokens -> target forward ->
-                accept -> commit accepted drafts + bonus -> write the drafter's context K/V  (one graph
-                per (B, K(rho*)); while drafting is switched off, an AR variant only stores the
-                drafter's context features, and the next drafting step catches its K/V up)
-  host          copy the committed tokens [B, block] once, stop finished requests, admit new ones.
-`ar` runs the verify graph with K = 0 (one token per row) and never drafts.
+    step:  admit -> (catch up) -> draft + select -> verify + accept -> commit -> feedback
+
+admit     waiting requests take free rows (prefill); the step runs at the smallest batch bucket that
+          holds the live rows (rows are compacted when the bucket can shrink)
+catch up  after steps that skipped drafting, write the drafter's missing context K/V
+draft     draft graph (one per bucket): drafter block -> confidences -> prefix scores -> keep_len and
+          gain for every rho -> rho* = argmax gain / cost. rho*.item() is the one host sync of a step
+verify    verify graph (one per (bucket, K(rho*))): pack anchor + kept prefix of every row into
+          T = B + K tokens -> target forward -> the target's (keyed) choice at every position ->
+          accept -> commit [B, block] and the drafter's context for the committed tokens
+commit    hand each request its committed tokens, stop finished requests
+feedback  one StepRecord to the policy (calibration, skip drafting)
+
+`ar` runs the verify graph with K = 0 (one token per row) and never drafts. docs/walkthrough.md follows
+one step through this file.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from . import dcut
 from .model import Transformer, causal_layout, prefill_layout
-from .sampling import accept, sample
-
-COMPILE_CACHE = Path(__file__).resolve().parent.parent / "compile_cache"
-
-
-def use_compile_cache(path: Path = COMPILE_CACHE) -> None:
-    """Keep inductor's compiled kernels and graphs under compile_cache/ so a second run starts fast.
-    A cache dir the user chose is kept; torch's own default (which importing torch._dynamo writes into
-    the environment) is not a choice."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
+from .policy import Policy, StepRecord
+from .sampling import accept, sample, sample_keys
 
 
 @dataclass
@@ -47,10 +40,82 @@ class Request:
     output: list[int] = field(default_factory=list)
     done: bool = False
 
+    @property
+    def anchor_pos(self) -> int:
+        """Position of the last committed token (the anchor of the next block)."""
+        return len(self.prompt) + len(self.output) - 1
+
+
+@dataclass
+class Batch:
+    """Host-side state of the cache rows: which request each row holds, and per row the anchor (last
+    committed token) and its position on the device. Live rows are kept in the lowest rows."""
+
+    requests: list[Request | None]
+    anchor: torch.Tensor  # [rows]
+    anchor_pos: torch.Tensor  # [rows]
+    request_ids: torch.Tensor  # [rows] the sampling key of each row's request
+    synced: list[int]  # per row: positions below this have the drafter's context K/V
+    stale: bool = False  # a step since the last drafting step skipped the drafter's context K/V
+
+    @classmethod
+    def empty(cls, rows: int, device) -> "Batch":
+        z = functools.partial(torch.zeros, rows, dtype=torch.long, device=device)
+        return cls([None] * rows, z(), z(), z(), [0] * rows)
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i, r in enumerate(self.requests) if r is not None]
+
+    def place(self, rows: list[int], requests: list[Request], first: list[int], kv: bool) -> None:
+        """Requests enter rows after their prefill: the first token is the anchor, right after the
+        prompt; kv: whether the prefill wrote the drafter's context K/V."""
+        idx, dev = torch.tensor(rows, device=self.anchor.device), self.anchor.device
+        self.anchor[idx] = torch.tensor(first, device=dev)
+        self.anchor_pos[idx] = torch.tensor([len(r.prompt) for r in requests], device=dev)
+        self.request_ids[idx] = torch.tensor([r.index for r in requests], device=dev)
+        for row, r in zip(rows, requests):
+            self.requests[row], self.synced[row] = r, len(r.prompt) if kv else 0
+        self.stale = self.stale or not kv
+
+    def limits(self, b: int) -> list[int]:
+        """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
+        return [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in self.requests[:b]]
+
+    def unsynced(self) -> tuple[list[int], list[int]]:
+        """(rows, positions) of committed tokens without the drafter's context K/V, now marked synced."""
+        rows, pos = [], []
+        for i in self.live:
+            end = self.requests[i].anchor_pos
+            rows += [i] * (end - self.synced[i])
+            pos += range(self.synced[i], end)
+            self.synced[i] = end
+        self.stale = False
+        return rows, pos
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Requests of rows src move to rows dst (the caller copies the cache rows)."""
+        s, d = torch.tensor(src, device=self.anchor.device), torch.tensor(dst, device=self.anchor.device)
+        for t in (self.anchor, self.anchor_pos, self.request_ids):
+            t[d] = t[s]
+        for i, j in zip(src, dst):
+            self.requests[j], self.requests[i], self.synced[j] = self.requests[i], None, self.synced[i]
+
+
+@dataclass
+class Draft:
+    """What the draft graph decided, on the device, and the chosen rho index (host)."""
+
+    drafts: torch.Tensor  # [b, D]
+    keep_lens: torch.Tensor  # [n_rho, b]
+    gain: torch.Tensor  # [n_rho] expected accepted drafts (uncalibrated)
+    log_s: torch.Tensor  # [b, D] log prefix scores
+    rho_index: int
+
 
 @dataclass
 class Stats:
-    """Running counters of a generate() call (PAPER.md section 5 names)."""
+    """Running counters of a generate() call (docs/method.md, "Metrics")."""
 
     policy: str = ""
     batch_size: int = 0
@@ -67,11 +132,27 @@ class Stats:
     realized: int = 0  # accepted drafts over the same steps
     drafting_request_steps: int = 0  # live requests summed over drafting steps
     rho_hist: collections.Counter = field(default_factory=collections.Counter)
-    seconds: collections.Counter = field(default_factory=collections.Counter)  # draft/verify/bookkeeping/prefill
+    bucket_hist: collections.Counter = field(default_factory=collections.Counter)  # steps per batch bucket
+    seconds: collections.Counter = field(default_factory=collections.Counter)  # prefill/draft/verify/...
+    trace: list | None = None  # per drafting step (prefix scores, keep_len, accepted) of live rows
+
+    def add(self, rec: StepRecord, kept: int, depth: int, gain_scale: float) -> None:
+        self.steps += 1
+        self.kept += kept
+        self.request_steps += rec.n_live
+        self.committed += rec.accepted + rec.n_live
+        self.rho_hist[rec.rho] += 1
+        self.bucket_hist[rec.batch_size] += 1
+        if rec.drafted:
+            self.drafted += rec.n_live * depth
+            self.predicted_raw += rec.predicted
+            self.predicted += rec.predicted * gain_scale
+            self.realized += rec.accepted
+            self.drafting_request_steps += rec.n_live
 
     @property
     def decode_seconds(self) -> float:
-        return sum(v for k, v in self.seconds.items() if k != "prefill")
+        return sum(v for k, v in self.seconds.items() if k not in ("prefill", "compile"))
 
     @property
     def tau(self) -> float:
@@ -88,78 +169,225 @@ class Stats:
                 "tokens_per_second": self.generated_tokens / total if total else 0.0,
                 "tau": self.tau, "keep_ratio": self.keep_ratio, "steps": self.steps,
                 "rho_histogram": {f"{k:g}": v for k, v in sorted(self.rho_hist.items())},
+                "bucket_histogram": {str(k): v for k, v in sorted(self.bucket_hist.items())},
                 "predicted_accepted_raw": self.predicted_raw, "predicted_accepted": self.predicted,
                 "realized_accepted": self.realized, "drafting_request_steps": self.drafting_request_steps,
                 "seconds": dict(self.seconds)}
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a step may run at: powers of two below max_batch, and max_batch."""
+    return sorted({2 ** i for i in range(max_batch.bit_length()) if 2 ** i < max_batch} | {max_batch})
+
+
 class Engine:
     """Batched generation with one target, an optional DFlash drafter and a policy (policy.py)."""
 
-    def __init__(self, target: Transformer, drafter=None, policy=None, batch_size: int = 8,
-                 max_seq: int = 512, temperature: float = 0.0, top_p: float = 1.0,
-                 eos_ids=None, compile: bool = True):
-        from .policy import Policy
-        self.target, self.drafter = target, drafter
-        self.policy = policy or Policy.ar()
+    def __init__(self, target: Transformer, drafter=None, policy: Policy | None = None, batch_size: int = 8,
+                 max_seq: int = 512, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 eos_ids=None, compile: bool = True, on_compile=None):
+        self.target, self.policy = target, policy or Policy.ar()
         if self.policy.needs_drafter and drafter is None:
-            raise ValueError(f"policy {self.policy.name!r} needs a drafter")
-        self.B, self.temperature, self.top_p = batch_size, temperature, top_p
+            raise ValueError(f"policy {self.policy.label!r} needs a drafter")
+        self.drafter = drafter if self.policy.needs_drafter else None
+        self.B, self.max_seq, self.buckets = batch_size, max_seq, batch_buckets(batch_size)
+        self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.eos = set(target.cfg.eos_token_ids if eos_ids is None else eos_ids)
-        self.block = drafter.block_size if drafter is not None else 1
+        self.block = self.drafter.block_size if self.drafter is not None else 1
         self.D = self.block - 1
-        self.max_seq = max_seq
-        self.Ks = [dcut.budget(r, batch_size, self.D) for r in self.policy.rhos] if drafter else [0]
+        self.policy.depth = self.D
         self.device = target.lm_head.weight.device
+        self.taps = self.drafter.taps if self.drafter is not None else ()
         target.setup_cache(batch_size, max_seq)
-        if drafter is not None:
-            drafter.setup_cache(batch_size, max_seq)
-        self.policy.configure(batch_size, self.D)
-        if drafter is not None and self.policy.skip_drafting and not self.policy.drafting_possible:
-            drafter = self.drafter = None  # the cost table rules drafting out at this B: plain AR graphs
-        self.taps = drafter.taps if drafter is not None else ()
-        self.compile = compile
+        if self.drafter is not None:
+            self.drafter.setup_cache(batch_size, max_seq)
+        self.compile, self.on_compile = compile, on_compile  # on_compile(message) before a graph compiles
         self.graphs: dict[tuple, callable] = {}
-        if compile:
-            use_compile_cache()
-            # One graph per (B, K): more cache entries than dynamo's default of 8 per function, and
-            # never a silent fall back to eager when they run out.
-            cfg = torch._dynamo.config  # the limits count per function, over the whole process
-            cfg.recompile_limit = max(cfg.recompile_limit, 64) + len(self.Ks) + 2
-            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 256) + len(self.Ks) + 2
-            torch._dynamo.config.fail_on_recompile_limit_hit = True
+        self.cost_vectors: dict[int, torch.Tensor] = {}  # per bucket, for one generate() call
 
-    # ---- compiled step functions -------------------------------------------------------------
+    def budgets(self, B: int) -> list[int]:
+        """K(rho) for every rho of the policy's grid at batch size B."""
+        return [dcut.budget(r, B, self.D) for r in self.policy.rhos] if self.drafter is not None else [0]
 
-    def graph(self, kind: str, K: int = 0, kv: bool = True):
-        """The callable for a draft graph (kind 'draft') or a verify graph with K kept drafts (kv:
-        whether it writes the drafter's context K/V, or only stores its features)."""
-        key = (kind, self.B, K, kv)
+    # ---- one step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, on_finish=None, on_step=None,
+                 trace: bool = False):
+        """Generate for every prompt with at most B at a time; returns (outputs in input order, Stats).
+        on_finish(index, output) as each request finishes; on_step(stats, record) after each step;
+        trace: keep per drafting step the live rows' prefix scores, keep_len and accepted drafts in
+        stats.trace (an extra host copy per step: for evaluation, not for speed)."""
+        self.validate(prompts, max_new_tokens)
+        requests = [Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
+        pending = collections.deque(requests)
+        stats = Stats(policy=self.policy.label, batch_size=self.B, requests=len(requests),
+                      trace=[] if trace else None)
+        batch = Batch.empty(self.B, self.device)
+        self.cost_vectors.clear()
+        while pending or batch.live:
+            rec = self.step(batch, pending, stats, on_finish)
+            if on_step is not None and rec is not None:
+                on_step(stats, rec)
+        return [r.output for r in requests], stats
+
+    def step(self, batch: Batch, pending, stats: Stats, on_finish=None) -> StepRecord | None:
+        """One decode step over the live rows; None if no row is live after admission."""
+        self.admit(batch, pending, stats, on_finish)
+        if not batch.live:
+            return None
+        b = self.bucket(batch, compact=not pending)
+        rows = batch.live
+        drafting = self.drafter is not None and self.policy.draft_now(b)
+        catchup = self.catch_up(batch) if drafting and batch.stale else 0.0
+        t0 = time.perf_counter()
+        draft = self.draft(batch.anchor[:b], batch.anchor_pos[:b], batch.limits(b), len(rows)) if drafting else None
+        K = self.budgets(b)[draft.rho_index] if drafting else 0
+        t1 = time.perf_counter()
+        commit, n_commit, kept = self.verify(batch, b, draft, K)
+        t2 = time.perf_counter()
+        self.commit(batch, commit, n_commit, draft, stats, on_finish)
+        rec = StepRecord(b, len(rows), drafting, self.policy.rhos[draft.rho_index] if K else 0.0,
+                         float(draft.gain[draft.rho_index]) if drafting else 0.0,
+                         int(n_commit[rows].sum()) - len(rows), time.perf_counter() - t0, catchup)
+        stats.seconds.update(draft=t1 - t0 + catchup, verify=t2 - t1, bookkeeping=time.perf_counter() - t2)
+        stats.add(rec, int(kept[rows].sum()), self.D, self.policy.calibration.gain_scale)
+        if stats.trace is not None and drafting:  # for evaluation: scores, kept and accepted drafts
+            stats.trace.append((draft.log_s[rows].exp().cpu(), kept[rows], n_commit[rows] - 1))
+        self.policy.observe(rec)
+        return rec
+
+    def admit(self, batch: Batch, pending, stats: Stats, on_finish=None) -> None:
+        """Continuous batching: waiting requests take the lowest free rows (one prefill for all)."""
+        free = [i for i, r in enumerate(batch.requests) if r is None][: len(pending)]
+        if free:
+            t0 = time.perf_counter()
+            new = [pending.popleft() for _ in free]
+            # While drafting is off, the prefill stores only the drafter's features: the next drafting
+            # step catches their K/V up, and a request that ends before it never needs them.
+            kv = self.drafter is not None and self.policy.drafting_on(self.bucket_for(max(batch.live + free) + 1))
+            first = self.prefill(free, new, kv=kv).tolist()
+            batch.place(free, new, first, kv)
+            for row, tok in zip(free, first):
+                self.emit(batch, row, [tok], stats, on_finish)
+            stats.seconds["prefill"] += time.perf_counter() - t0
+
+    def catch_up(self, batch: Batch) -> float:
+        """Before drafting after skipped steps: write the drafter's context K/V of the positions
+        committed meanwhile, from the stored features. Returns its seconds."""
+        t0 = time.perf_counter()
+        rows, pos = batch.unsynced()
+        if pos:
+            self.drafter.sync_context(torch.tensor(rows, device=self.device), torch.tensor(pos, device=self.device))
+        return time.perf_counter() - t0
+
+    def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, limit: list[int], n_live: int) -> Draft:
+        """Run the draft graph of bucket b = len(anchor): anchor, anchor_pos [b]; limit: drafts each row
+        can still use (0 for an empty row). Syncs once: rho* picks the verify graph."""
+        b, dev = anchor.shape[0], anchor.device
+        if b not in self.cost_vectors:  # the table's costs at b, looked up once per bucket
+            self.cost_vectors[b] = self.policy.cost_vector(b, dev)
+        out = self.graph("draft", b)(anchor, anchor_pos, torch.tensor(limit, device=dev), self.cost_vectors[b],
+                                     torch.tensor(float(n_live), device=dev),
+                                     torch.tensor(self.policy.calibration.gain_scale, device=dev))
+        return Draft(*out[:4], rho_index=int(out[4].item()))  # the one host sync of a step
+
+    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int):
+        """Run the verify graph of bucket b with K kept drafts (an AR step without a draft) and move the
+        rows' anchors on. Returns, on the host: commit [b, block], n_commit [b] and kept drafts [b]."""
+        keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
+        # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
+        # a step that did not only stores the features (see catch_up).
+        fn = self.graph("verify", b, K, kv=draft is not None or self.drafter is None)
+        commit, n_commit, anchor, anchor_pos = fn(batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
+                                                  draft.drafts if draft else None, keep_len)
+        batch.anchor[:b], batch.anchor_pos[:b], batch.stale = anchor, anchor_pos, draft is None
+        kept = keep_len if K else torch.zeros_like(n_commit)
+        host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1).cpu()  # [b, block + 2]
+        return host[:, :-2], host[:, -2], host[:, -1]
+
+    def commit(self, batch: Batch, commit, n_commit, draft: Draft | None, stats: Stats, on_finish) -> None:
+        """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus)."""
+        for i in batch.live:
+            n = int(n_commit[i])
+            if draft is not None:  # the drafter's context K/V is now written up to the new anchor
+                batch.synced[i] = batch.requests[i].anchor_pos + n
+            self.emit(batch, i, commit[i, :n].tolist(), stats, on_finish)
+
+    def emit(self, batch: Batch, row: int, tokens: list[int], stats: Stats, on_finish) -> None:
+        """Append tokens to a row's request up to EOS or max_new_tokens (a block can end mid-way: the
+        rest is dropped); a finished request frees its row."""
+        r = batch.requests[row]
+        stop = next((j + 1 for j, t in enumerate(tokens) if t in self.eos), len(tokens))
+        n = min(stop, r.max_new_tokens - len(r.output))
+        r.output += tokens[:n]
+        stats.generated_tokens += n
+        if r.output[-1] in self.eos or len(r.output) == r.max_new_tokens:
+            batch.requests[row], r.done = None, True
+            stats.finished += 1
+            if on_finish is not None:
+                on_finish(r.index, r.output)
+
+    # ---- batch buckets -------------------------------------------------------------------------
+
+    def bucket_for(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def bucket(self, batch: Batch, compact: bool) -> int:
+        """The batch bucket of this step. With nothing waiting, live rows past the smallest bucket that
+        holds them move into free rows below it (their cache rows are copied), so the tail of a batch
+        runs at a smaller bucket."""
+        live = batch.live
+        b = self.bucket_for(len(live))
+        if compact and live[-1] >= b:
+            src = [i for i in live if i >= b]
+            dst = [i for i in range(b) if batch.requests[i] is None][: len(src)]
+            self.move_rows(batch, src, dst)
+        return self.bucket_for(batch.live[-1] + 1)
+
+    def move_rows(self, batch: Batch, src: list[int], dst: list[int]) -> None:
+        """Move requests, with their target and drafter cache rows, from rows src to rows dst."""
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        caches = list(self.target.caches) + (list(self.drafter.caches) if self.drafter is not None else [])
+        for c in caches:
+            c.k[d], c.v[d] = c.k[s], c.v[s]
+        if self.drafter is not None:
+            self.drafter.feats[d] = self.drafter.feats[s]
+        batch.move(src, dst)
+
+    # ---- compiled graphs -----------------------------------------------------------------------
+
+    def graph(self, kind: str, B: int, K: int = 0, kv: bool = True, note: str = ""):
+        """The callable of a draft graph (kind 'draft') or of a verify graph with K kept drafts, at
+        batch bucket B (kv: whether it writes the drafter's context K/V or only stores its features).
+        Compiled ones are made on first use, announced by on_compile("compiling ... B=4 K=15" + note)."""
+        key = (kind, B, K, kv)
         if key not in self.graphs:
             fn = self._draft if kind == "draft" else functools.partial(self._verify, K=K, kv=kv)
             if self.compile:
+                if self.on_compile is not None:
+                    self.on_compile(f"compiling {kind} graph B={B}" + (f" K={K}" if kind == "verify" else "") + note)
                 fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
             self.graphs[key] = fn
         return self.graphs[key]
 
-    def _draft(self, anchor, anchor_pos, limit, cost, n_live, scale):
-        """Draft one block per row and run the D-cut selector for every rho of the policy's grid.
-        anchor, anchor_pos, limit [B]; cost [n_rho]; n_live, scale [] (calibration of the gain) ->
-        drafts [B, D], keep_len [n_rho, B], rho index [], expected accepted drafts [n_rho],
-        log prefix scores [B, D]."""
+    def _draft(self, anchor, anchor_pos, limit, cost, n_live, gain_scale):
+        """Draft one block per row and run the D-cut selector for every rho of the grid.
+        anchor, anchor_pos, limit [B]; cost [n_rho]; n_live, gain_scale [] -> drafts [B, D],
+        keep_len [n_rho, B], expected accepted drafts [n_rho], log prefix scores [B, D], rho index []."""
+        Ks = self.budgets(anchor.shape[0])
         logits = self.drafter(self.target, anchor, anchor_pos)  # [B, D, V]
         # The greedy drafts and their softmax probabilities [B, D]: one fused softmax pass, then max.
         conf, drafts = torch.softmax(logits.float(), dim=-1).max(dim=-1)
         log_s = dcut.prefix_scores(conf, limit)  # [B, D]
-        keep_len = dcut.keep_lens(log_s, self.Ks)  # [n_rho, B]
-        gain = dcut.gains(log_s, self.Ks, None)  # [n_rho] expected accepted drafts, uncalibrated
-        total = scale * gain + (n_live if self.policy.count_anchors else 0)
-        return drafts, keep_len, dcut.choose_rho(total, cost), gain, log_s
+        keep_len = dcut.keep_lens(log_s, Ks)  # [n_rho, B]
+        gain = dcut.gains(log_s, Ks, None)  # [n_rho] expected accepted drafts, uncalibrated
+        return drafts, keep_len, gain, log_s, self.policy.choose(gain, n_live, gain_scale, cost)
 
-    def _verify(self, anchor, anchor_pos, drafts, keep_len, K: int, kv: bool = True):
-        """Pack, verify, accept (PAPER.md section 3 step 6-7 and section 4).
-        anchor, anchor_pos [B]; drafts [B, D]; keep_len [B] with sum K ->
-        commit [B, block] (accepted drafts then the bonus), n_commit [B], new anchor, new anchor_pos."""
+    def _verify(self, anchor, anchor_pos, request_ids, drafts, keep_len, K: int, kv: bool = True):
+        """Pack, verify, accept (docs/method.md, "Verification"). anchor, anchor_pos, request_ids [B];
+        drafts [B, D]; keep_len [B] with sum K -> commit [B, block] (accepted drafts then the bonus),
+        n_commit [B], the new anchor and anchor_pos [B]."""
         B, dev = anchor.shape[0], anchor.device
         Q = min(self.block, K + 1)  # the longest row: anchor + at most min(D, K) drafts
         T = B + K
@@ -179,7 +407,10 @@ class Engine:
         pos = anchor_pos[row] + col  # [T]
         layout = causal_layout(row, pos, col, B, Q, self.max_seq)
         logits, taps = self.target(tokens, layout, taps=self.taps)  # [T, V], [T, n_taps*H]
-        choice = sample(logits, self.temperature, self.top_p)  # [T] the target's token after each
+        # The target's token after each packed one, drawn with the key of (request, position): the
+        # same draw AR decoding makes there, so accepted drafts are exactly AR's tokens.
+        keys = sample_keys(self.seed, request_ids[row], pos + 1)  # [T]
+        choice = sample(logits, self.temperature, self.top_p, keys)  # [T]
         choice_grid = torch.full((B * Q,), -1, dtype=torch.long, device=dev).index_copy(0, src, choice)
         choice_grid = choice_grid.view(B, Q)  # [B, Q]; -1 (never a token) where nothing was verified
         commit = torch.zeros(B, self.block, dtype=torch.long, device=dev)
@@ -193,64 +424,57 @@ class Engine:
         if self.drafter is not None:
             self.drafter.add_context(taps, row, pos, kv=kv)
         # Empty rows keep stepping too; the clamp keeps their positions inside the cache (a live
-        # row never reaches it: generate() checks prompt + max_new_tokens + block <= max_seq).
+        # row never reaches it: validate() checks prompt + max_new_tokens + block <= max_seq).
         new_pos = (anchor_pos + accepted + 1).clamp(max=self.max_seq - self.block - 1)
         return commit, accepted + 1, bonus[:, 0], new_pos
 
     @torch.inference_mode()
-    def warmup(self) -> None:
-        """Run (and so compile) every graph this engine's policy can reach, on empty rows."""
-        B, dev = self.B, self.device
-
-        def zeros():  # a fresh tensor per argument: aliased inputs would be guarded on and recompile
-            return torch.zeros(B, dtype=torch.long, device=dev)
-        if self.drafter is None or 0 in self.Ks:  # AR steps; with a drafter: drafting chose rho = 0
-            self.graph("verify", 0)(zeros(), zeros(), None, None)
-        if self.drafter is not None and (self.policy.skip_drafting or not self.policy.needs_drafter):
-            self.graph("verify", 0, kv=False)(zeros(), zeros(), None, None)  # steps that do not draft
-        if self.drafter is None or not self.policy.needs_drafter:
-            return
-        drafts, keep_lens = self.graph("draft")(zeros(), zeros(), zeros(), self.policy.cost_vector(B, dev),
-                                                torch.tensor(0.0, device=dev), torch.tensor(1.0, device=dev))[:2]
-        for ri, K in enumerate(self.Ks):
-            if K:
-                self.graph("verify", K)(zeros(), zeros(), drafts, keep_lens[ri].clone())
-
-    # ---- host side ---------------------------------------------------------------------------
-
-    def _prefill(self, slots: list[int], reqs: list[Request], kv: bool = True) -> torch.Tensor:
-        """Run the prompts of `reqs` into cache rows `slots` (eager, one padded batch); returns the
-        first generated token of each [n]. kv: also write the drafter's context K/V (else only its
-        features)."""
-        layout, last = prefill_layout(slots, [len(r.prompt) for r in reqs], self.device)
-        tokens = torch.tensor([t for r in reqs for t in r.prompt], device=self.device)
+    def prefill(self, rows: list[int], requests: list[Request], kv: bool = True) -> torch.Tensor:
+        """Run the prompts of `requests` into cache `rows` (eager, one padded batch); returns the first
+        generated token of each [n]. kv: also write the drafter's context K/V (else only its features)."""
+        layout, last = prefill_layout(rows, [len(r.prompt) for r in requests], self.device)
+        tokens = torch.tensor([t for r in requests for t in r.prompt], device=self.device)
         logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.taps)
         if self.drafter is not None:
             self.drafter.add_context(taps, layout.row, layout.pos, kv=kv)
-        return sample(logits, self.temperature, self.top_p)
+        ids = torch.tensor([r.index for r in requests], device=self.device)
+        pos = torch.tensor([len(r.prompt) for r in requests], device=self.device)
+        return sample(logits, self.temperature, self.top_p, sample_keys(self.seed, ids, pos))
 
-    def _sync_drafter(self, slots: list, synced: list[int]) -> None:
-        """Before drafting: write the drafter's context K/V of positions committed while drafting
-        was off (from the stored features; eager, only after skipped steps)."""
-        rows, pos = [], []
-        for i, r in enumerate(slots):
-            if r is not None:
-                anchor_pos = len(r.prompt) + len(r.output) - 1  # the anchor's position
-                rows += [i] * (anchor_pos - synced[i])
-                pos += range(synced[i], anchor_pos)
-                synced[i] = anchor_pos
-        if pos:
-            self.drafter.sync_context(torch.tensor(rows, device=self.device), torch.tensor(pos, device=self.device))
+    def reachable(self, max_batch: int | None = None) -> list[tuple]:
+        """Keys (kind, B, K, kv) of every graph this engine's policy can reach at buckets <= max_batch."""
+        keys = []
+        for b in (x for x in self.buckets if x <= (max_batch or self.B)):
+            skip = self.policy.skip(b) if self.drafter is not None else None
+            if self.drafter is None or 0 in self.budgets(b):  # AR steps; with a drafter: rho* = 0
+                keys.append(("verify", b, 0, True))
+            if skip is not None:
+                keys.append(("verify", b, 0, False))  # steps that do not draft
+            if self.drafter is not None and (skip is None or skip.possible):
+                keys += [("draft", b, 0, True)] + [("verify", b, K, True) for K in self.budgets(b) if K]
+        return keys
 
-    def _emit(self, req: Request, tokens) -> None:
-        """Append tokens to a request until EOS or max_new_tokens (a block can end mid-way: trim)."""
-        for t in tokens:
-            req.output.append(int(t))
-            if int(t) in self.eos or len(req.output) >= req.max_new_tokens:
-                req.done = True
-                return
+    @torch.inference_mode()
+    def warmup(self, max_batch: int | None = None) -> float:
+        """Run (and so compile) every graph reachable at buckets <= max_batch (default: all) once, on
+        empty rows; returns the seconds it took."""
+        t0 = time.perf_counter()
+        keys = self.reachable(max_batch)
+        drafts = {}
+        for i, (kind, b, K, kv) in enumerate(keys, 1):
+            z = [torch.zeros(b, dtype=torch.long, device=self.device) for _ in range(3)]  # fresh: never aliased
+            fn = self.graph(kind, b, K, kv, note=f" ({i} of {len(keys)})")
+            if kind == "draft":
+                drafts[b] = self.draft(z[0], z[1], [0] * b, 0)
+            elif K == 0:
+                fn(*z, None, None)
+            else:
+                ri = self.budgets(b).index(K)
+                fn(*z, drafts[b].drafts, drafts[b].keep_lens[ri].clone())
+        return time.perf_counter() - t0
 
     def validate(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Requests this engine can serve: ValueError (one line) otherwise."""
         V = self.target.cfg.vocab_size
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -262,119 +486,5 @@ class Engine:
                 raise ValueError(f"prompt {i}: token id {bad[1]} at position {bad[0]} is outside the "
                                  f"vocabulary [0, {V})")
             if len(p) + max_new_tokens + self.block > self.max_seq:
-                raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {max_new_tokens} new tokens "
-                                 f"(+ {self.block} block) exceed the context of {self.max_seq}")
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, on_step=None, trace=None):
-        """Generate for every prompt with at most B at a time; returns (outputs in input order, Stats).
-        on_step(stats, current_rho) is called after every step (for a live view). A `trace` list gets,
-        for every drafting step, (prefix scores s [n_live, D], keep_len [n_live], accepted [n_live]) of
-        the live requests (an extra host copy per step: for evaluation, not for speed)."""
-        self.validate(prompts, max_new_tokens)
-        reqs = [Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
-        pending = collections.deque(reqs)
-        stats = Stats(policy=self.policy.label, batch_size=self.B, requests=len(reqs))
-        slots: list[Request | None] = [None] * self.B
-        synced = [0] * self.B  # per row: positions below this have the drafter's context K/V
-        stale = False  # whether a step since the last drafting step skipped the drafter's K/V
-        dev, B = self.device, self.B
-        anchor = torch.zeros(B, dtype=torch.long, device=dev)
-        anchor_pos = torch.zeros(B, dtype=torch.long, device=dev)
-        self.policy.configure(B, self.D)  # a no-op unless another engine reconfigured a shared policy
-        costs = self.policy.cost_vector(B, dev)  # [n_rho], fixed for this call
-        while pending or any(slots):
-            t0 = time.perf_counter()
-            free = [i for i in range(B) if slots[i] is None][: len(pending)]
-            if free:  # continuous batching: admit waiting requests into free rows
-                new = [pending.popleft() for _ in free]
-                # While drafting is off, the prefill only stores the drafter's features: the next
-                # probe catches their K/V up, and a request that ends before it never needs them.
-                kv = self.drafter is not None and self.policy.drafting_on
-                first = self._prefill(free, new, kv=kv).tolist()
-                stale = stale or not kv
-                for i, r, tok in zip(free, new, first):
-                    synced[i] = len(r.prompt) if kv else 0  # positions with the drafter's context K/V
-                    self._emit(r, [tok])
-                    stats.generated_tokens += 1
-                    stats.finished += r.done
-                    slots[i] = None if r.done else r
-                idx = torch.tensor(free, device=dev)
-                anchor[idx] = torch.tensor(first, device=dev)
-                anchor_pos[idx] = torch.tensor([len(r.prompt) for r in new], device=dev)
-                stats.seconds["prefill"] += time.perf_counter() - t0
-                if not any(slots):
-                    continue
-            live = [s is not None for s in slots]
-            n_live = sum(live)
-            # Drafts a request can still use: its remaining tokens minus the bonus; 0 for empty rows.
-            limit = [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in slots]
-            t0 = time.perf_counter()
-            K, rho = 0, 0.0
-            t_step, catchup = t0, 0.0
-            drafting = self.drafter is not None and self.policy.draft_now()
-            if drafting:
-                if stale:  # the catch-up is a cost of the skipped steps (of the probe that ends them)
-                    self._sync_drafter(slots, synced)
-                    catchup = time.perf_counter() - t0
-                t_step = time.perf_counter()  # this step's own seconds start here
-                drafts, keep_lens, rho_idx, gain, log_s = self.graph("draft")(
-                    anchor, anchor_pos, torch.tensor(limit, device=dev), costs,
-                    torch.tensor(float(n_live), device=dev), torch.tensor(self.policy.gain_scale, device=dev))
-                ri = int(rho_idx.item())  # the one host sync: it picks the verify graph
-                K, rho, keep_len = self.Ks[ri], self.policy.rhos[ri], keep_lens[ri]
-                t1 = time.perf_counter()
-                stats.seconds["draft"] += t1 - t0
-                t0 = t1
-            else:
-                drafts = keep_len = None
-            # A step that drafted writes the drafter's context K/V (the next one will likely draft
-            # too); a step that did not only stores the features (see drafter.sync_context).
-            verify = self.graph("verify", K, kv=drafting or self.drafter is None)
-            stale = not drafting  # a drafting step leaves every row synced up to its new anchor
-            commit, n_commit, anchor, anchor_pos = verify(anchor, anchor_pos, drafts, keep_len)
-            kept = keep_len if K else torch.zeros_like(n_commit)
-            host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1).cpu()  # [B, block + 2]
-            anchor, anchor_pos = anchor.clone(), anchor_pos.clone()  # outlive the graph's output buffers
-            t1 = time.perf_counter()
-            stats.seconds["verify"] += t1 - t0
-            # Bookkeeping: commit tokens, finish requests.
-            if trace is not None and drafts is not None:
-                rows = [i for i in range(B) if live[i]]
-                trace.append((log_s[rows].exp().cpu(), host[rows, -1].clone(), host[rows, -2] - 1))
-            accepted_live = 0
-            for i, r in enumerate(slots):
-                if r is None:
-                    continue
-                n = int(host[i, -2])
-                stats.kept += int(host[i, -1])
-                accepted_live += n - 1
-                before = len(r.output)
-                self._emit(r, host[i, :n].tolist())
-                if drafting:  # context K/V now written up to the new anchor
-                    synced[i] = len(r.prompt) + before + n - 1
-                stats.generated_tokens += len(r.output) - before
-                if r.done:
-                    stats.finished += 1
-                    slots[i] = None
-            stats.steps += 1
-            stats.request_steps += n_live
-            stats.committed += accepted_live + n_live
-            stats.rho_hist[rho] += 1
-            if drafts is not None:
-                stats.drafted += n_live * self.D
-                predicted = float(gain[ri])
-                stats.predicted_raw += predicted
-                stats.predicted += predicted * self.policy.gain_scale
-                stats.realized += accepted_live
-                stats.drafting_request_steps += n_live
-            t2 = time.perf_counter()
-            stats.seconds["bookkeeping"] += t2 - t1
-            if drafts is not None:
-                self.policy.observe(predicted, accepted_live, K, n_live, rho, seconds=t2 - t_step,
-                                    catchup=catchup)
-            else:
-                self.policy.observe(None, 0, 0, seconds=t2 - t_step)
-            if on_step is not None:
-                on_step(stats, rho)
-        return [r.output for r in reqs], stats
+                raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {max_new_tokens} new tokens + "
+                                 f"{self.block} for a draft block exceed the engine's {self.max_seq} positions")

@@ -1,7 +1,12 @@
-"""In-graph sampling and the acceptance rule (PAPER.md section 4). Pure tensor functions.
+"""In-graph sampling and the acceptance rule (docs/method.md, "Verification"). Pure tensor functions.
 
 No torch.multinomial and no .item(): a sample is argmax(p / E) with E ~ Exp(1) (the exponential-race
 form of sampling from p), which compiles into the graph without a host sync.
+
+Keyed draws. The noise E for the token at position p of request r is a function of (seed, r, p) alone
+(a counter-based hash, no generator state): AR decoding and every speculative policy draw the same
+noise for the same token, whatever the batch, bucket or timing, so with the same seed they sample the
+same text (up to float differences between differently packed forwards).
 """
 
 from __future__ import annotations
@@ -9,9 +14,39 @@ from __future__ import annotations
 import torch
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """(x * m) mod 2^32 for x in [0, 2^32) in int64 without overflow (m split into 16-bit halves)."""
+    return (x * (m & 0xFFFF) + (((x * (m >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (xorshift-multiply, "lowbias32"), on int64 tensors."""
+    x = x & MASK32
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sample_keys(seed: int, request: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The key of the draw for the token at position pos of request `request` [N] -> [N]."""
+    return mix32(mix32(mix32(torch.full_like(request, seed & MASK32)) ^ request) ^ pos)
+
+
+def exponential_noise(keys: torch.Tensor, V: int) -> torch.Tensor:
+    """E ~ Exp(1) [N, V], a function of the keys [N] only."""
+    token = mix32(torch.arange(V, device=keys.device) + 0x9E3779B9)  # [V]
+    h = mix32(keys[:, None] ^ token)  # [N, V]
+    u = ((h >> 8).float() + 0.5) / 2.0 ** 24  # uniform in (0, 1), 24 bits
+    return -torch.log(u)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, keys: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> tokens [N]. temperature 0 is greedy; top_p < 1 keeps the smallest set of
-    tokens whose probability mass reaches top_p. temperature / top_p are fixed per compiled graph."""
+    tokens whose probability mass reaches top_p; keys [N] (sample_keys) fix the random draw.
+    temperature / top_p are fixed per compiled graph."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # [N, V]
@@ -19,8 +54,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tens
         sorted_p, order = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # the top token is always kept
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-    race = torch.empty_like(probs).exponential_(1)
-    return (probs / race).argmax(-1)
+    return (probs / exponential_noise(keys, probs.shape[-1])).argmax(-1)
 
 
 def accept(drafts: torch.Tensor, keep_len: torch.Tensor, target_tok: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+import torch
+
 from minidcut import bench
-from minidcut.cost_model import CostTable
+from minidcut.cost_model import CostTable, fingerprint
 from tiny import make_drafter, make_model
 
 GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -17,7 +19,9 @@ GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
 def test_bench_runs_every_policy_and_writes_json(tmp_path, capsys):
     hf = make_model(tmp_path / "target", "llama")
     make_drafter(tmp_path / "drafter", hf.config)
-    CostTable([1, 2], GRID, [[1.0, 1.5, 1.6, 1.7, 1.8], [1.2, 2.0, 2.2, 2.4, 2.6]]).save(tmp_path / "t.json")
+    fp = fingerprint("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, False)
+    CostTable([1, 2], GRID, [[1.0, 1.5, 1.6, 1.7, 1.8], [1.2, 2.0, 2.2, 2.4, 2.6]],
+              {"fingerprint": fp}).save(tmp_path / "t.json")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": [3 + i, 5, 7, 9]}) + "\n" for i in range(4)))
     out = tmp_path / "bench.json"
@@ -25,7 +29,7 @@ def test_bench_runs_every_policy_and_writes_json(tmp_path, capsys):
                        "--batch-sizes", "1,2", "--policies", "ar,full,static:0.5,dcut,dcut:paper",
                        "--prompts", str(prompts), "--num-prompts", "3", "--max-new-tokens", "12",
                        "--repeats", "1", "--cost-table", str(tmp_path / "t.json"), "--no-compile",
-                       "--output", str(out)])
+                       "--threads", "1", "--output", str(out)])
     assert code == 0
     res = json.loads(out.read_text())
     recs = {(r["batch_size"], r["policy"]): r for r in res["records"]}
@@ -36,6 +40,7 @@ def test_bench_runs_every_policy_and_writes_json(tmp_path, capsys):
     assert recs[(2, "full")]["keep_ratio"] == 1.0
     assert 0 < recs[(2, "dcut")]["select_fraction_of_step"] < 1
     assert set(res["summary"]["per_batch"]) == {"1", "2"}
+    assert res["cost_table"]["seconds"][0][1] == 1.5  # the given table was used, not remeasured
     assert "adaptive vs the best fixed policy" in capsys.readouterr().out
 
 
@@ -61,8 +66,23 @@ def test_summary_finds_the_crossover_and_compares_dcut_with_both_sides():
     (["--batch-sizes", "a"], "--batch-sizes"), (["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
     (["--policies", "foo"], "unknown policy"), (["--policies", "dcut:x"], "unknown dcut variant"),
     (["--repeats", "0"], "--repeats must be >= 1"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--device", "tpu"], "tpu"), (["--output", "/proc/self/b.json"], "--output"),
 ])
 def test_bad_arguments_are_one_line_errors_before_any_work(argv, message, capsys):
     assert bench.main(argv + ["--no-compile"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_plot_without_matplotlib_is_a_one_line_error_before_any_work(tmp_path, capsys, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kw):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert bench.main(["--plot", str(tmp_path / "p.png"), "--no-compile"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "matplotlib" in err and err.count("\n") == 1

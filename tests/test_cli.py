@@ -9,14 +9,18 @@ Runs main(argv) in-process (fast); one test runs the module as a user does, in a
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from minidcut import generate
-from minidcut.cost_model import CostTable
+from minidcut.cost_model import CostTable, fingerprint
 from minidcut.engine import Engine
 from minidcut.loader import load_target
 from minidcut.policy import Policy
@@ -53,7 +57,9 @@ def models(tmp_path_factory):
     make_drafter(root / "drafter_h32", hf_config("llama", vocab_size=len(tok), hidden_size=32),
                  mask_token_id=mask)
     make_drafter(root / "drafter_v", hf_config("llama", vocab_size=len(tok) + 7), mask_token_id=mask)
-    table = CostTable([1, 2, 4], GRID, [[1.0 + 0.01 * r * b for r in GRID] for b in (1, 2, 4)])
+    fp = fingerprint("cpu", target, root / "drafter", torch.float32, False)  # what `base` runs with
+    table = CostTable([1, 2, 4], GRID, [[1.0 + 0.01 * r * b for r in GRID] for b in (1, 2, 4)],
+                      {"fingerprint": fp})
     table.save(root / "table.json")
     return {"root": root, "target": target, "drafter": root / "drafter", "table": root / "table.json",
             "target_notok": root / "target_notok", "drafter_h32": root / "drafter_h32", "drafter_v": root / "drafter_v", "tok": tok,
@@ -71,7 +77,7 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def base(models, *extra) -> list:
-    return ["--target", models["target"], "--no-compile", "--quiet", *extra]
+    return ["--target", models["target"], "--no-compile", "--quiet", "--threads", "1", *extra]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -176,6 +182,12 @@ def bad_jsonl(tmp_path, text: str) -> Path:
     return p
 
 
+def bytes_file(tmp_path, data: bytes) -> Path:
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(data)
+    return p
+
+
 # name -> (argv given the fixture and tmp_path, words the message must contain)
 BAD_INPUT = {
     "missing_target_dir": (lambda m, t: ["--target", t / "nope", "--policy", "ar", "--no-compile",
@@ -205,14 +217,41 @@ BAD_INPUT = {
                              ["none.jsonl"]),
     "token_id_outside_vocab": (lambda m, t: base(m, "--policy", "ar", "--prompts",
                                                  bad_jsonl(t, '{"input_ids": [1, 100000]}\n')), ["100000"]),
-    "missing_cost_table": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "dcut", "--prompt", "x",
-                                             "--cost-table", t / "no_table.json"), ["no_table.json"]),
     "batch_size_0": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--batch-size", "0"),
                      ["--batch-size"]),
     "negative_temperature": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--temperature", "-1"),
                              ["--temperature"]),
     "max_new_tokens_0": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--max-new-tokens", "0"),
-                         ["max_new_tokens"]),
+                         ["--max-new-tokens"]),
+    "max_new_tokens_negative": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--max-new-tokens", "-1"),
+                                ["--max-new-tokens"]),
+    "threads_0": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--threads", "0"), ["--threads"]),
+    "device_tpu": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--device", "tpu"), ["tpu"]),
+    "device_mps": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--device", "mps"), ["mps"]),
+    "device_meta": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--device", "meta"), ["meta"]),
+    # The target is the first thing a run needs: a missing one is named before a missing drafter.
+    "missing_target_before_missing_drafter": (lambda m, t: ["--target", t / "nope", "--policy", "dcut",
+                                                            "--prompt", "x"], ["--target", "nope"]),
+    "rho_under_dcut": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "dcut", "--rho", "0.5",
+                                         "--prompt", "x"), ["--rho", "static"]),
+    "non_utf8_prompts_file": (lambda m, t: base(m, "--policy", "ar", "--prompts",
+                                                bytes_file(t, b'{"prompt": "a"}\n{"prompt": "\xff\xfe"}\n')),
+                              ["bad.jsonl:2", "UTF-8"]),
+    "token_id_outside_vocab_names_the_line": (lambda m, t: base(m, "--policy", "ar", "--prompts",
+                                                                bad_jsonl(t, '{"prompt": "a"}\n{"input_ids": [1, -3]}\n')),
+                                              ["bad.jsonl:2", "-3"]),
+    "too_long_prompt_mentions_the_draft_block": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "full",
+                                                                   "--prompt", "x", "--max-new-tokens", "500"),
+                                                 ["draft block", "512"]),
+    "chat_without_chat_template": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--chat"),
+                                   ["--chat", "chat template"]),
+    "output_is_a_directory": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--output", t),
+                              ["--output", "directory"]),
+    "output_cannot_be_written": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--output",
+                                                   "/proc/self/out.jsonl"), ["--output", "cannot be written"]),
+    "messages_line_without_chat": (lambda m, t: base(m, "--policy", "ar", "--prompts",
+                                                     bad_jsonl(t, '{"messages": [{"role": "user", "content": "hi"}]}\n')),
+                                   [":1", "--chat"]),
     "unknown_dtype": (lambda m, t: base(m, "--policy", "ar", "--prompt", "x", "--dtype", "float64"),
                       ["float64"]),
     "rho_grid_outside_0_1": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "dcut", "--prompt", "x",
@@ -254,3 +293,62 @@ def test_module_entry_point_exits_2_with_one_error_line(models):
         models, "--drafter", models["drafter"], "--policy", "static", "--rho", "2", "--prompt", "x"))],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert_one_line_error(done.returncode, done.stderr, "--rho")
+
+
+def test_a_named_cost_table_that_does_not_exist_is_measured_and_saved_there(models, capsys, tmp_path):
+    table = tmp_path / "new_table.json"
+    code, _, err = cli(capsys, *base(models, "--drafter", models["drafter"], "--policy", "dcut", "--prompt", "x",
+                                     "--max-new-tokens", "4", "--cost-table", table, "--batch-size", "2"))
+    assert code == 0, err
+    assert CostTable.load(table).batch_sizes == [1]  # one request: only the 1-row bucket is needed
+
+
+def test_a_write_error_mid_run_is_one_line(models, capsys):
+    code, _, err = cli(capsys, *base(models, "--policy", "ar", "--prompt", "x", "--max-new-tokens", "2",
+                                     "--output", "/dev/full"))
+    assert_one_line_error(code, err, "--output", "/dev/full")
+
+
+def test_chat_prompts_go_under_the_chat_template(models, capsys, tmp_path):
+    """--chat: a text prompt becomes a user message, a messages line is used as it is; both then
+    generate what AR generates from the templated ids."""
+    target = tmp_path / "chat_target"
+    shutil.copytree(models["target"], target)
+    tok = models["tok"]
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    tok.save_pretrained(target)
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add"}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "class"}]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    code, _, err = cli(capsys, "--target", target, "--no-compile", "--quiet", "--threads", "1", "--policy", "ar",
+                       "--chat", "--prompts", prompts, "--max-new-tokens", "5", "--output", out)
+    assert code == 0, err
+    ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in (
+        [{"role": "user", "content": "def add"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "class"}])]
+    assert ids[0] == "<user>def add\n<assistant>"
+    expect = [tok.encode(t, add_special_tokens=False) for t in ids]
+    ar, _ = Engine(load_target(target), None, Policy.ar(), batch_size=1, max_seq=64,
+                   compile=False).generate(expect, 5)
+    assert [r["output_ids"] for r in read_jsonl(out)] == ar
+
+
+def test_ctrl_c_keeps_finished_requests_and_says_so_in_one_line(models, tmp_path):
+    """Requests are written as they finish; SIGINT stops the run with exit status 130 and one line
+    that counts what is on disk."""
+    prompts = tmp_path / "many.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(400)))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "minidcut.generate", *map(str, base(
+        models, "--policy", "ar", "--prompts", prompts, "--batch-size", "1", "--max-new-tokens", "40",
+        "--output", out))], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.is_file() or len(out.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = read_jsonl(out)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [f"interrupted: {len(lines)} of 400 requests written to {out}"]
+    assert 3 <= len(lines) < 400 and [r["index"] for r in lines] == list(range(len(lines)))

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from minidcut.engine import COMPILE_CACHE, Engine
+from minidcut.engine import Engine
 from minidcut.loader import load_target
 from minidcut.policy import Policy
+from minidcut.runtime import COMPILE_CACHE, setup
 from tiny import BASE, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +21,7 @@ NEW_TOKENS = 60
 
 
 def test_compiled_ar_decoding_equals_eager_and_never_recompiles_after_warm_up(tmp_path):
+    setup(threads=1)
     make_model(tmp_path, "llama", num_hidden_layers=2)  # a smaller graph compiles faster
     target = load_target(tmp_path)
     g = torch.Generator().manual_seed(0)
@@ -36,18 +38,25 @@ def test_compiled_ar_decoding_equals_eager_and_never_recompiles_after_warm_up(tm
     assert stats.steps >= 100  # decode steps run by the compiled graph without a recompile
     assert again == eager
     assert all(len(o) == NEW_TOKENS for o in again)
-    assert len(engine.graphs) == 1  # the one (B = 2, K = 0) verify graph
+    assert set(engine.graphs) == {("verify", 2, 0, True)}  # the one (B = 2, K = 0) verify graph
 
 
-def test_compiled_engine_keeps_inductor_kernels_under_compile_cache(tmp_path):
-    """Engine(compile=True) points inductor at compile_cache/inductor even though loading a model
-    (which imports torch._dynamo) already made torch fill in its default cache directory. Run in a
-    fresh interpreter, as a user runs it, with TORCHINDUCTOR_CACHE_DIR unset."""
+def test_setup_keeps_inductor_kernels_under_compile_cache_and_engines_touch_no_process_state(tmp_path):
+    """minidcut.setup() points inductor at compile_cache/inductor even though loading a model (which
+    imports torch._dynamo) already made torch fill in its default cache directory; making engines changes
+    no process-wide setting. Run in a fresh interpreter, as a user runs it, with TORCHINDUCTOR_CACHE_DIR
+    unset."""
     make_model(tmp_path, "llama", num_hidden_layers=1)
-    code = ("import os, sys\n"
+    code = ("import os, sys, torch\n"
+            "import minidcut\n"
             "from minidcut.engine import Engine\n"
             "from minidcut.loader import load_target\n"
-            "Engine(load_target(sys.argv[1]), batch_size=1, max_seq=32, compile=True)\n"
+            "t = load_target(sys.argv[1])\n"
+            "minidcut.setup(threads=1)\n"
+            "before = (os.environ['TORCHINDUCTOR_CACHE_DIR'], torch._dynamo.config.recompile_limit)\n"
+            "for _ in range(3):\n"
+            "    Engine(t, batch_size=1, max_seq=32, compile=True)\n"
+            "assert before == (os.environ['TORCHINDUCTOR_CACHE_DIR'], torch._dynamo.config.recompile_limit)\n"
             "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])\n")
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env,

@@ -1,4 +1,4 @@
-"""The D-cut selector (PAPER.md section 3), pinned down as properties of minidcut.dcut.
+"""The D-cut selector (docs/method.md, "One D-cut step"), pinned down as properties of minidcut.dcut.
 
 Confidences are drawn with many exact ties (runs of 1.0, a small pool of repeated values) and with a
 limit vector that masks depths, because ties and masked depths are where a count-based keep_len could

@@ -1,9 +1,9 @@
-"""Greedy losslessness of the engine (PAPER.md section 4): at temperature 0 every policy (full, static,
+"""Greedy losslessness of the engine (docs/method.md, "Verification"): at temperature 0 every policy (full, static,
 dcut) commits exactly the tokens plain AR decoding of the target commits, whatever the batch size, the
 prompt lengths, where EOS falls and where max_new_tokens cuts a verified block.
 
 Two kinds of drafter:
-- random drafters (tests/tiny.make_drafter): they almost never agree with the target, so these runs
+- random drafters (make_drafter of tests/tiny.py): they almost never agree with the target, so these runs
   exercise rejection at depth 0, the bonus token, packing of ragged keep_lens and continuous batching;
 - an AGREEING drafter, trained here for a few hundred steps (tools/train_drafter.py's pieces) against a
   tiny target built to repeat itself: long accepted runs, EOS and max_new_tokens inside a block.
@@ -34,9 +34,9 @@ GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
 def synthetic_table(slope: float = 0.01) -> CostTable:
-    """A cost table covering B = 1, 3, 8 and the whole grid: cost grows slowly with rho * B, so with
-    these drafters dcut picks a mix of every rho (checked by test_dcut_visits_several_rhos)."""
-    bs = [1, 3, 8]
+    """A cost table covering every batch bucket of B = 1, 3, 8 and the whole grid: cost grows slowly with
+    rho * B, so with these drafters dcut picks a mix of every rho (test_dcut_visits_several_rhos)."""
+    bs = [1, 2, 3, 4, 8]
     return CostTable(bs, GRID, [[1.0 + slope * r * b for r in GRID] for b in bs])
 
 
@@ -63,9 +63,9 @@ class RecordingEngine(Engine):
         super().__init__(*args, **kw)
         self.blocks: dict[int, list[list[int]]] = collections.defaultdict(list)
 
-    def _emit(self, req, tokens):
-        self.blocks[req.index].append([int(t) for t in tokens])
-        super()._emit(req, tokens)
+    def emit(self, batch, row, tokens, stats, on_finish):
+        self.blocks[batch.requests[row].index].append(list(tokens))
+        super().emit(batch, row, tokens, stats, on_finish)
 
 
 def run(target, drafter, policy, B, prompts, max_new, eos=(), max_seq=MAX_SEQ, engine_cls=Engine):
@@ -200,7 +200,7 @@ def agreeing_pair(tmp_path_factory):
     path = tmp_path_factory.mktemp("agree") / "target"
     hf = make_model(path, "llama", seed=0, scale=3.0)
     # Imported lazily: the trainer module pulls in transformers and the corpus helpers.
-    from tools.train_drafter import build_drafter, drafter_loss, target_features
+    from tools.train_drafter import build_drafter, drafter_loss, pad_batch, target_features
     with torch.no_grad():
         emb = hf.model.embed_tokens.weight
         emb.mul_(3.0).add_(2.0 * torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(7)))
@@ -210,15 +210,16 @@ def agreeing_pair(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 95, (8,), generator=g).tolist() for _ in range(128)]
     gens, _, _ = run(target, None, Policy.ar(), 64, prompts, 56, max_seq=80)
-    seqs = torch.tensor([p + o for p, o in zip(prompts, gens)])  # [128, 64]
+    seqs = [torch.tensor(p + o) for p, o in zip(prompts, gens)]  # 128 x [64]
     args = types.SimpleNamespace(layers=1, block_size=16, intermediate_size=None, anchors=8, decay=7.0, taps=None)
     torch.manual_seed(0)
     drafter = build_drafter(args, target.cfg, AGREE_MASK_ID)
     feats, labels = target_features(target, seqs, drafter.taps)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95))
     for _ in range(TRAIN_STEPS):
-        idx = torch.randint(0, len(seqs), (8,), generator=g)
-        loss, _ = drafter_loss(drafter, target, feats[idx], seqs[idx], labels[idx], args, g)
+        idx = torch.randint(0, len(seqs), (8,), generator=g).tolist()
+        batch = pad_batch(seqs, feats, labels, [1] * len(seqs), idx)
+        loss, _ = drafter_loss(drafter, target, *batch, args, g)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -332,3 +333,29 @@ def test_finished_rows_stay_inside_the_cache(agreeing_pair, policy):
     outputs, stats, _ = run(target, drafter, POLICIES[policy](), 8, prompts, AGREE_MAX_NEW, max_seq=max_seq)
     assert outputs == ref
     check_stats(outputs, stats)
+
+
+# ---- keyed sampling -------------------------------------------------------------------------------
+
+
+def sampled(target, drafter, policy, B, prompts, seed):
+    engine = Engine(target, drafter, policy, batch_size=B, max_seq=MAX_SEQ, temperature=0.8, top_p=0.95,
+                    seed=seed, eos_ids=[], compile=False)
+    return engine.generate(prompts, AGREE_MAX_NEW)
+
+
+def test_sampling_with_a_seed_gives_ar_sampling_text_under_every_policy_and_batch_size(agreeing_pair):
+    """The draw for request i's token at position p depends on (seed, i, p) alone, so at temperature > 0
+    every policy, at every batch size, emits what AR sampling emits with the same seed; another seed
+    gives other text."""
+    target, drafter = agreeing_pair
+    prompts = agree_prompts(7)
+    ref, _ = sampled(target, None, Policy.ar(), 3, prompts, seed=3)
+    other, _ = sampled(target, None, Policy.ar(), 3, prompts, seed=4)
+    assert ref != other
+    for B in (1, 3, 8):
+        assert sampled(target, None, Policy.ar(), B, prompts, seed=3)[0] == ref
+        for name in POLICIES:
+            outputs, stats = sampled(target, drafter, POLICIES[name](), B, prompts, seed=3)
+            assert outputs == ref, (name, B)
+            assert stats.tau > 1.2  # drafts were accepted: the speculative path ran

@@ -1,4 +1,4 @@
-"""One compiled graph per (batch bucket, rho) (PAPER.md section 3 step 6): once every bucket of the
+"""One compiled graph per (batch bucket, rho) (docs/method.md, "One D-cut step"): once every graph of the
 policy's grid has run, a long dcut run that switches between budgets step by step never recompiles.
 
 Two variants of the same check, on one tiny llama and one compiled dcut Engine at B = 2:
@@ -19,6 +19,7 @@ from minidcut.cost_model import CostTable
 from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
+from minidcut.runtime import setup
 from tiny import BASE, make_drafter, make_model
 
 B = 2
@@ -29,13 +30,14 @@ MAX_SEQ = 160
 
 
 def mixed_table() -> CostTable:
-    """Cost grows slowly with rho: with a random drafter dcut switches between several budgets."""
-    return CostTable([B], GRID, [[1.0 + 0.02 * r * B for r in GRID]])
+    """Cost grows slowly with rho: with a random drafter dcut switches between several budgets (rows for
+    both batch buckets, 1 and 2)."""
+    return CostTable([1, B], GRID, [[1.0 + 0.02 * r * b for r in GRID] for b in (1, B)])
 
 
 def forcing_table(rho: float) -> CostTable:
     """Every rho but `rho` costs 1000x: dcut chooses `rho` at every drafting step."""
-    return CostTable([B], GRID, [[1.0 if r == rho else 1000.0 for r in GRID]])
+    return CostTable([1, B], GRID, [[1.0 if r == rho else 1000.0 for r in GRID]] * 2)
 
 
 @pytest.fixture
@@ -48,6 +50,7 @@ def tiny_pair(tmp_path):
 
 @pytest.fixture
 def fresh_dynamo():
+    setup(threads=1)  # what every entry point does first: one graph per (bucket, K) allowed
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -70,24 +73,27 @@ def check_no_recompile_after_warm_up(target, drafter):
     engine = Engine(target, drafter, policy, batch_size=B, max_seq=MAX_SEQ, eos_ids=[], compile=True)
     Ks = {dcut.budget(r, B, engine.D) for r in GRID}
     assert len(Ks) == len(GRID)  # 0, 8, 15, 22, 30: five verify buckets
-    # Warm-up: every bucket of the grid, forced in turn (rho = 0 long enough for dcut to stop drafting,
-    # so the AR verify graph also runs without drafts), then the mixed table once.
+    # Warm-up: every budget of the grid, forced in turn (rho = 0 long enough for dcut to stop drafting,
+    # so the AR verify graph also runs without drafts), then the mixed table once; prompts of unequal
+    # length; 3 requests at B = 2, so the third runs alone at the 1-row bucket.
     for rho in GRID:
         policy.table = forcing_table(rho)
-        warm, stats = engine.generate(prompts[:2], 12)
+        policy.reset()
+        warm, stats = engine.generate(prompts[:3], 12)
         # The forced budget, and rho = 0 only where no draft can be kept (a request's last token).
         assert set(stats.rho_hist) - {0.0} == ({rho} - {0.0})
-        assert warm == [o[:12] for o in ar[:2]]
+        assert warm == [o[:12] for o in ar[:3]] and set(stats.bucket_hist) == {1, 2}
     policy.table = mixed_table()
-    engine.generate(prompts[:2], 12)
-    assert {k for kind, _, k, _ in engine.graphs if kind == "verify"} == Ks
+    policy.reset()
+    engine.generate(prompts[:3], 12)
+    assert {k for kind, b, k, _ in engine.graphs if kind == "verify" and b == B} == Ks
 
     with torch.compiler.set_stance("fail_on_recompile"):
         outputs, stats = engine.generate(prompts, NEW_TOKENS)
     assert outputs == ar
     assert stats.steps >= 200
     assert len([r for r in stats.rho_hist if r > 0]) >= 2  # the run switched between drafting budgets
-    assert sum(stats.rho_hist.values()) == stats.steps
+    assert sum(stats.rho_hist.values()) == stats.steps and set(stats.bucket_hist) == {1, 2}
 
 
 @pytest.fixture

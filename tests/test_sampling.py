@@ -1,4 +1,5 @@
-"""Sampling and the acceptance rule (PAPER.md section 4), and the losslessness of speculative sampling.
+"""Sampling and the acceptance rule (docs/method.md, "Verification"), and the losslessness of speculative
+sampling.
 
 The lossless test runs the real Engine at temperature 1 on a target with an 8-token vocabulary and
 compares the distribution of the first three generated tokens (8^3 outcomes) with the exact AR
@@ -16,26 +17,30 @@ from minidcut.dcut import keep_lens
 from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
-from minidcut.sampling import accept, sample
+from minidcut.sampling import accept, sample, sample_keys
 from tiny import make_drafter, make_model
+
+
+def keys(n, seed=0, pos=0):
+    """Keys of n different requests at one position."""
+    return sample_keys(seed, torch.arange(n), torch.full((n,), pos))
 
 
 # ---- (a) sample -----------------------------------------------------------------------------------
 
 def test_greedy_sample_is_argmax_and_ignores_top_p():
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(sample(logits, 0.0, 1.0), logits.argmax(-1))
-    assert torch.equal(sample(logits, 0.0, 0.3), logits.argmax(-1))
+    assert torch.equal(sample(logits, 0.0, 1.0, keys(64)), logits.argmax(-1))
+    assert torch.equal(sample(logits, 0.0, 0.3, keys(64)), logits.argmax(-1))
 
 
 def test_greedy_sample_breaks_an_exact_tie_like_argmax():
     logits = torch.tensor([[0.0, 1.0, 3.0, 0.5, 3.0]])  # tokens 2 and 4 tie
-    assert sample(logits, 0.0, 1.0).tolist() == [2] == logits.argmax(-1).tolist()
+    assert sample(logits, 0.0, 1.0, keys(1)).tolist() == [2] == logits.argmax(-1).tolist()
 
 
 def frequencies(logits_row, temperature, top_p, n=40000, seed=0):
-    torch.manual_seed(seed)
-    tokens = sample(logits_row.expand(n, -1).contiguous(), temperature, top_p)
+    tokens = sample(logits_row.expand(n, -1).contiguous(), temperature, top_p, keys(n, seed))
     return torch.bincount(tokens, minlength=logits_row.shape[-1]).double() / n
 
 
@@ -60,9 +65,26 @@ def test_top_p_samples_the_smallest_nucleus_renormalised(top_p, nucleus):
 def test_a_tiny_top_p_only_ever_samples_the_argmax():
     torch.manual_seed(0)
     logits = torch.randn(4096, 8)
-    for _ in range(5):
-        assert torch.equal(sample(logits, 1.0, 1e-6), logits.argmax(-1))
-    assert not torch.equal(sample(logits, 1.0, 1.0), logits.argmax(-1))  # the control: top_p = 1 samples
+    for seed in range(5):
+        assert torch.equal(sample(logits, 1.0, 1e-6, keys(4096, seed)), logits.argmax(-1))
+    assert not torch.equal(sample(logits, 1.0, 1.0, keys(4096)), logits.argmax(-1))  # the control: top_p = 1 samples
+
+
+def test_a_keyed_draw_depends_on_its_key_alone():
+    """The same (seed, request, position) draws the same token wherever it sits in a batch and whatever
+    else is in it; another seed, request or position draws independently."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    k = sample_keys(7, torch.tensor([3, 1, 4, 1, 5, 9]), torch.tensor([10, 11, 12, 13, 14, 15]))
+    a = sample(logits, 1.0, 1.0, k)
+    perm = torch.tensor([5, 2, 0, 4, 1, 3])
+    assert torch.equal(sample(logits[perm], 1.0, 1.0, k[perm]), a[perm])
+    assert torch.equal(sample(logits[:2], 1.0, 1.0, k[:2]), a[:2])
+    row = torch.randn(1, 50).expand(2000, -1)
+    for other in (sample_keys(8, torch.zeros(2000, dtype=torch.long), torch.arange(2000)),
+                  sample_keys(7, torch.arange(2000), torch.zeros(2000, dtype=torch.long))):
+        tokens = sample(row, 1.0, 1.0, other)
+        assert len(set(tokens.tolist())) > 15  # different keys: different draws
 
 
 # ---- (b) accept -----------------------------------------------------------------------------------
@@ -85,7 +107,7 @@ def test_accept_with_a_greedy_tie_commits_what_ar_would_commit():
     # The target's logits after the anchor tie between tokens 2 and 4: AR commits 2 (argmax picks
     # the first), so a draft of 4 is rejected and the bonus is 2; a draft of 2 is accepted.
     logits = torch.tensor([[0.0, 1.0, 3.0, 0.5, 3.0], [5.0, 0.0, 0.0, 0.0, 0.0]])  # after anchor, after draft
-    choice = sample(logits, 0.0, 1.0)[None]  # [1, 2]
+    choice = sample(logits, 0.0, 1.0, keys(2))[None]  # [1, 2]
     assert accept(torch.tensor([[4]]), torch.tensor([1]), choice).tolist() == [0]
     assert choice[0, 0].item() == 2
     assert accept(torch.tensor([[2]]), torch.tensor([1]), choice).tolist() == [1]
@@ -127,9 +149,8 @@ def tiny_pair(tmp_path_factory):
 
 def tv_to_exact(target, drafter, policy, exact, seed=0):
     """TV between the first three tokens of N engine runs at temperature 1 and the exact AR law."""
-    torch.manual_seed(seed)
-    engine = Engine(target, drafter, policy, batch_size=256, max_seq=64, temperature=1.0, eos_ids=[],
-                    compile=False)
+    engine = Engine(target, drafter, policy, batch_size=256, max_seq=64, temperature=1.0, seed=seed,
+                    eos_ids=[], compile=False)
     outputs, stats = engine.generate([PROMPT] * N, max_new_tokens=4)
     idx = torch.tensor([a * 64 + b * 8 + c for a, b, c, _ in outputs])
     freq = torch.bincount(idx, minlength=512).double() / N
@@ -171,9 +192,9 @@ def test_speculative_sampling_is_lossless_and_a_wrong_acceptance_rule_is_caught(
     # The same engine with a lossy acceptance rule must be caught by the same bound.
     top2 = {}
 
-    def spy_sample(logits, temperature, top_p):
+    def spy_sample(logits, temperature, top_p, keys):
         top2["last"] = logits.topk(2, dim=-1).indices
-        return sample(logits, temperature, top_p)
+        return sample(logits, temperature, top_p, keys)
 
     monkeypatch.setattr(minidcut.engine, "sample", spy_sample)
     monkeypatch.setattr(minidcut.engine, "accept", lambda d, k, t: top2_accept(d, k, t, top2))

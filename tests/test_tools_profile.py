@@ -22,15 +22,17 @@ def test_profile_writes_a_cost_table_with_metadata(pair, capsys):
     out = pair / "table.json"
     code = profile.main(["--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--batch-sizes",
                          "2,1", "--rhos", "0,0.5,1", "--context-len", "8", "--repeats", "2", "--warmup", "1",
-                         "--no-compile", "--out", str(out)])
+                         "--no-compile", "--threads", "1", "--out", str(out)])
     assert code == 0
     table = CostTable.load(out)
     assert table.batch_sizes == [1, 2] and table.rhos == [0.0, 0.5, 1.0]
     assert all(c > 0 for row in table.seconds for c in row)
-    for key in ("device", "torch", "threads", "dtype", "context_len", "repeats", "date", "relative_spread",
-                "raw_seconds", "wall_seconds", "target", "drafter"):
+    for key in ("fingerprint", "context_len", "repeats", "date", "relative_spread", "raw_seconds",
+                "wall_seconds", "target", "drafter"):
         assert key in table.meta
-    for row, raw in zip(table.seconds, table.meta["raw_seconds"]):
+    assert set(table.meta["fingerprint"]) == {"device", "torch", "threads", "dtype", "compiled",
+                                              "target_config", "drafter_config"}
+    for row, raw in zip(table.seconds, table.meta["raw_seconds"].values()):
         assert row[0] == raw[0] and row[1] <= row[2]  # the AR step as measured; drafting steps nondecreasing
         assert row[1] + row[2] == pytest.approx(raw[1] + raw[2])  # pooled, not clipped
     assert table.meta["context_len"] == 8 and table.meta["repeats"] == 2

@@ -1,7 +1,8 @@
 """Build the cost table: median seconds of one complete speculative step (draft + select + verify +
 accept; rho = 0 is an AR step without drafting) for every (batch size, rho), on this machine, for one
-(target, drafter, dtype). Drafting steps' medians are made nondecreasing in rho (a dip is noise; the
-raw medians stay in the metadata). Written under compile_cache/cost_tables/, where the dcut policy finds it.
+(target, drafter, dtype, threads, compiled or eager). Drafting steps' medians are made nondecreasing in
+rho (a dip is noise; the raw medians stay in the metadata). Written under compile_cache/cost_tables/,
+where the dcut policy finds it when it runs with the same settings (its fingerprint).
 
     python tools/profile.py --target models/llama-stdlib-4m --drafter models/llama-stdlib-4m-dflash
 """
@@ -21,10 +22,9 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from minidcut.api import load_pair, parse_batch_sizes, parse_rhos  # noqa: E402
-from minidcut.config import ConfigError  # noqa: E402
-from minidcut.cost_model import table_path  # noqa: E402
-from minidcut.loader import CheckpointError  # noqa: E402
+from minidcut import cli, runtime  # noqa: E402
+from minidcut.api import load_pair, parse_rhos, resolve_device  # noqa: E402
+from minidcut.cost_model import fingerprint, table_path  # noqa: E402
 from minidcut.profiler import profile  # noqa: E402
 
 
@@ -36,18 +36,23 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated batch sizes to profile")
     p.add_argument("--rhos", default="0,0.25,0.5,0.75,1", help="comma-separated rho grid (0: an AR step)")
     p.add_argument("--context-len", type=int, default=128, help="context tokens per request while timing")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per cell (the median is kept)")
+    p.add_argument("--repeats", type=int, default=10, help="timed steps per cell (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell first")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    p.add_argument("--no-compile", action="store_true", help="time eager steps (match how you will run)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"CPU threads (default: all cores but one, here {runtime.default_threads()})")
+    p.add_argument("--no-compile", action="store_true",
+                   help="time eager steps (the default on a CPU; match how you will run)")
+    p.add_argument("--compile", action="store_true", help="time compiled steps (the default on CUDA)")
     p.add_argument("--out", default=None, help="output JSON (default: the table the dcut policy looks for)")
     return p.parse_args(argv)
 
 
 def print_table(console: Console, table) -> None:
-    t = Table(title=f"cost table: ms per step ({table.meta.get('device')}, {table.meta.get('dtype')}, "
-                    f"context {table.meta.get('context_len')})")
+    fp = table.meta.get("fingerprint", {})
+    t = Table(title=f"cost table: ms per step ({fp.get('device')}, {fp.get('dtype')}, "
+                    f"{'compiled' if fp.get('compiled') else 'eager'}, context {table.meta.get('context_len')})")
     t.add_column("B", justify="right")
     for r in table.rhos:
         t.add_column(f"rho={r:g}", justify="right")
@@ -57,38 +62,35 @@ def print_table(console: Console, table) -> None:
     console.print(t)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    console = Console()
-    try:
-        batch_sizes = parse_batch_sizes(args.batch_sizes)
-        for name in ("context_len", "repeats"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        if args.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-        rhos = parse_rhos(args.rhos)
-        target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device)
-    except (ValueError, ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def run(args, console: Console) -> int:
+    batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
+    cli.check_positive(args, "context_len", "repeats", "threads")
+    if args.warmup < 0:
+        raise cli.UserError(f"--warmup must be >= 0, got {args.warmup}")
+    rhos = parse_rhos(args.rhos)
+    compile = args.compile or (not args.no_compile and runtime.default_compile(resolve_device(args.device)))
+    cli.check_writable(args.out, "--out")
+    runtime.setup(args.threads)
+    target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device)
     out = Path(args.out) if args.out else table_path(device, args.target, args.drafter, dtype)
     t0 = time.time()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("profiling", total=len(batch_sizes) * len(rhos) * (args.warmup + args.repeats))
-
-        def step(B, rho):
-            bar.update(task, advance=1, description=f"profiling B={B} rho={rho:g}")
-
         table = profile(target, drafter, batch_sizes, rhos, args.context_len, args.repeats, args.warmup,
-                        compile=not args.no_compile, on_step=step,
-                        meta={"target": str(args.target), "drafter": str(args.drafter)})
+                        compile=compile, meta={"target": str(args.target), "drafter": str(args.drafter),
+                                               "fingerprint": fingerprint(device, args.target, args.drafter,
+                                                                          dtype, compile)},
+                        on_step=lambda B, rho: bar.update(task, advance=1, description=f"profiling B={B} rho={rho:g}"))
     table.meta["wall_seconds"] = round(time.time() - t0, 1)
     table.save(out)
     print_table(console, table)
     console.print(f"wrote {out} in {table.meta['wall_seconds']:.0f} s")
     return 0
+
+
+def main(argv=None) -> int:
+    return cli.run_reporting_errors(run, parse_args(argv), Console())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Train a DFlash-architecture block drafter for any target minidcut loads (PAPER.md section 2).
+"""Train a DFlash-architecture block drafter for any target minidcut loads (docs/method.md, "DFlash drafting").
 
 Recipe. The target is frozen; the drafter borrows its embed_tokens and lm_head. Training sequences are
 the target's OWN greedy continuations of corpus windows (self-distillation: at inference the drafter
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=2, help="number of draft layers")
     p.add_argument("--taps", default=None,
-                   help="comma-separated target layer ids to tap (default: z-lab's formula, PAPER.md section 2)")
+                   help="comma-separated target layer ids to tap (default: z-lab's formula, docs/method.md)")
     p.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: target's)")
     p.add_argument("--mask-token", default="<|mask|>", help="mask token (a token of the target's tokenizer)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (overrides --mask-token)")

@@ -1,0 +1,185 @@
+"""What the command-line programs (generate, bench, tools/) share: reading prompts, checking arguments
+and inputs before any model loads, the error type and its one-line report, and status lines.
+Library modules never print; this one and the programs that use it do."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from .config import ConfigError, load_drafter_config, load_model_config
+from .cost_model import CostTableError
+from .loader import CheckpointError
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_TARGET = MODELS / "llama-stdlib-4m"
+DEFAULT_DRAFTER = MODELS / "llama-stdlib-4m-dflash"
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: printed as one line, exit status 2."""
+
+
+USER_ERRORS = (UserError, ConfigError, CheckpointError, CostTableError, ValueError)
+
+
+def run_reporting_errors(run_fn, args, console: Console) -> int:
+    """Run a CLI body; a user mistake becomes one `error:` line on stderr and exit status 2; Ctrl-C
+    one `interrupted` line and exit status 130."""
+    try:
+        return run_fn(args, console)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def check_positive(args, *names: str) -> None:
+    """--name must be >= 1 for every name given (None: not set, allowed)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> list[int]:
+    """'1,4,16' -> [1, 4, 16] (sorted, unique); UserError for anything else."""
+    try:
+        values = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if not values or values[0] < 1:
+        raise UserError(f"{flag} must be >= 1, got {text!r}")
+    return values
+
+
+def check_writable(path: str | None, flag: str) -> None:
+    """An output file that cannot be written is an error now, before any work (opened for appending,
+    so an existing file is left as it is; one this check creates is removed again)."""
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{flag} {path} is a directory")
+    if not p.parent.is_dir():
+        raise UserError(f"{flag} {path}: directory {p.parent} does not exist")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path} cannot be written ({e.strerror or e})") from None
+    if not existed:
+        p.unlink()
+
+
+def model_limits(target_dir, drafter_dir=None) -> tuple[int, int, int]:
+    """(vocab size, max positions, draft block size or 1) from the config files, before any weights load."""
+    cfg = load_model_config(target_dir)
+    block = load_drafter_config(drafter_dir).block_size if drafter_dir else 1
+    return cfg.vocab_size, cfg.max_position_embeddings, block
+
+
+def max_seq(prompts: list[list[int]], max_new_tokens: int, block: int) -> int:
+    """Cache positions a run needs: the longest prompt, its new tokens, and one draft block."""
+    return max(map(len, prompts)) + max_new_tokens + block + 1
+
+
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab: int, positions: int, block: int,
+                  names: list[str]) -> None:
+    """Token ids inside the vocabulary, and every prompt + its new tokens + a draft block inside the
+    target's context; names[i] says where prompt i came from."""
+    for ids, name in zip(prompts, names):
+        if not ids:
+            raise UserError(f"{name}: the prompt is empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) + max_new_tokens + block > positions:
+            raise UserError(f"{name}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} + "
+                            f"{block} for a draft block exceed the target's {positions} positions")
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Messages under the tokenizer's chat template, ready for the assistant's answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def read_prompts(path: str | None, texts: list[str] | None, tokenizer, chat: bool = False,
+                 model: str = "the target", default: list[str] | None = None) -> tuple[list[list[int]], list[str]]:
+    """Token ids of every prompt, and where each came from ("file:line" or "--prompt N"), from a JSONL
+    file (lines {"prompt": "..."}, {"input_ids": [...]} or {"messages": [...]}) and --prompt texts;
+    `default` when there are none. chat: text prompts go under the tokenizer's chat template."""
+    items: list[tuple[object, str]] = []
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"prompts file {p} not found")
+        try:
+            lines = p.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            line = p.read_bytes()[: e.start].count(b"\n") + 1
+            raise UserError(f"{p}:{line}: not UTF-8 text") from None
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                items.append((parse_prompt_line(line, f"{p}:{n}"), f"{p}:{n}"))
+        if not items:
+            raise UserError(f"prompts file {p} has no prompts")
+    items += [(t, f"--prompt {i + 1}") for i, t in enumerate(texts or [])]
+    if not items:
+        items = [(t, f"built-in prompt {i + 1}") for i, t in enumerate(default or [])]
+    if chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"--chat: {model}'s tokenizer has no chat template")
+    ids = []
+    for item, name in items:
+        if isinstance(item, list) and item and isinstance(item[0], dict):  # messages
+            if tokenizer is None or not chat:
+                raise UserError(f"{name}: a messages line needs --chat and a tokenizer")
+            ids.append(chat_ids(tokenizer, item))
+        elif isinstance(item, str):
+            if item == "":
+                raise UserError(f"{name}: the prompt is empty")
+            if tokenizer is None:
+                raise UserError(f"{model} has no tokenizer: give prompts as input_ids in a --prompts file")
+            ids.append(chat_ids(tokenizer, [{"role": "user", "content": item}]) if chat
+                       else tokenizer.encode(item, add_special_tokens=False))
+        else:
+            ids.append(item)
+    return ids, [name for _, name in items]
+
+
+def parse_prompt_line(line: str, where: str):
+    """One JSONL line -> a text, a list of token ids, or a list of chat messages."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not valid JSON ({e})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("input_ids"), list) and \
+            all(isinstance(t, int) for t in obj["input_ids"]):
+        return obj["input_ids"]
+    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+        return obj["prompt"]
+    if isinstance(obj, dict) and isinstance(obj.get("messages"), list) and obj["messages"] and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in obj["messages"]):
+        return obj["messages"]
+    raise UserError(f'{where}: expected {{"prompt": "..."}}, {{"input_ids": [...]}} or '
+                    f'{{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+
+
+class _Silent:
+    def update(self, *args, **kw) -> None:
+        pass
+
+
+def status(console: Console, message: str, quiet: bool = False):
+    """A rich status line (spinner + message; .update(text) changes it), or a silent one."""
+    return contextlib.nullcontext(_Silent()) if quiet else console.status(message, spinner="dots")

@@ -1,0 +1,42 @@
+"""Process-wide settings, made once by the entry points (or by a user of the API) before any engine:
+the thread count, where inductor keeps compiled kernels, and dynamo's recompile limits.
+
+    import minidcut
+    minidcut.setup(threads=1)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+COMPILE_CACHE = Path(__file__).resolve().parent.parent / "compile_cache"
+GRAPH_LIMIT = 1024  # compiled graphs per function: one per (batch bucket, K); far above what a run reaches
+
+
+def default_threads() -> int:
+    """Intra-op threads on a CPU: all cores but one, at least one (measured in the README: a thread
+    pool that spans every core collapses when another process holds one of them)."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def default_compile(device) -> bool:
+    """torch.compile the decode graphs by default on CUDA; run eagerly on a CPU, where inductor takes
+    30-90 s per graph on a small machine (the CLIs and the API share this default)."""
+    return torch.device(device).type == "cuda"
+
+
+def setup(threads: int | None = None, compile_cache: Path = COMPILE_CACHE) -> None:
+    """Set the thread count (default: default_threads()), keep inductor's kernels under compile_cache/
+    (unless the user chose TORCHINDUCTOR_CACHE_DIR), allow one graph per (bucket, K) and never fall back
+    to eager silently when a limit is hit."""
+    torch.set_num_threads(threads or default_threads())
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache / "inductor")
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, GRAPH_LIMIT)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, GRAPH_LIMIT)
+    cfg.fail_on_recompile_limit_hit = True

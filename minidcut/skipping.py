@@ -1,0 +1,97 @@
+"""Skip drafting: whether to draft at all at one batch size (docs/method.md, "Skipping drafting").
+
+The paper's rule picks how much to verify once a block is drafted; at a large batch size even rho = 0
+can lose, because the draft itself costs time. This controller decides apart from the rule, with an
+explicit state:
+
+  drafting   every step drafts. After each drafting step the predicted committed tokens per row
+             (calibrated) are compared with what AR steps commit in the same time; the differences,
+             weighted by the step's share of live rows, are summed with a decay (RUN_DECAY per step).
+             When the sum is negative (after `patience` drafting steps), drafting goes off.
+  off        AR steps. Every probe period one step probes.
+  probing    one drafting step; if it tips the sum above zero drafting is on again, else off again.
+
+A probe costs a drafting step instead of an AR step, gains the drafts drafting usually gets accepted
+(a long running mean), and first writes the drafter's context of the skipped steps (its measured
+catch-up). Its period keeps that net cost under PROBE_BUDGET of the time.
+
+Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
+controller never drafts (`possible` is False). Without a table row for this batch size it does not
+draft either: it has nothing to compare with.
+"""
+
+from __future__ import annotations
+
+PROBE_BUDGET = 0.01  # the share of decode time probing may cost while drafting is off
+RUN_DECAY = 0.98  # memory of the drafting-vs-AR sum: ~50 steps (one step's acceptance is noisy)
+ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
+
+
+class SkipDrafting:
+    def __init__(self, B: int, rhos: list[float], costs: list[float] | None, calibration, D: int = 15,
+                 patience: int = 4, probe_every: int = 16):
+        self.B, self.calibration = B, calibration
+        self.patience, self.probe_every = patience, probe_every
+        self.cost = dict(zip(rhos, costs)) if costs is not None else None  # table seconds by rho at B
+        self.rho_min = min(r for r in rhos if r > 0)
+        self.possible = self.cost is not None and any(
+            (B + round(r * B * D)) / self.cost[r] > B / self.cost[0.0] for r in rhos if r > 0)
+        self.state = "drafting" if self.possible else "off"
+        self.margin = 0.0  # decayed sum of (predicted committed - AR-equivalent) tokens per row
+        self.drafting_steps = 0
+        self.skipped = 0  # AR steps since drafting went off
+        self.catchup = 0.0  # seconds the last probe spent catching the drafter's context up
+        self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
+        self.period = self.probe_period()
+
+    def seconds(self, drafting: bool, rho: float = 0.0) -> float:
+        """Calibrated seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
+        draft was paid, priced as the smallest rho > 0)."""
+        table = self.cost[(rho or self.rho_min) if drafting else 0.0]
+        return table * self.calibration.cost_scale(drafting)
+
+    def probe_period(self) -> int:
+        """AR steps between probes, so that probes cost at most PROBE_BUDGET of the AR steps' time."""
+        if not self.possible:
+            return self.probe_every
+        ar = self.seconds(False)
+        usual = self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
+        loss = self.seconds(True) - ar * (1.0 + usual) + self.catchup  # seconds a probe loses to AR
+        return max(self.probe_every, int(loss / (PROBE_BUDGET * ar)) + 1)
+
+    def gain_over_ar(self, rec) -> float:
+        """Tokens per live row a drafting step is predicted (calibrated) to commit beyond what AR steps
+        commit in the same time: 1 + gain_scale * predicted / n_live - its seconds / an AR step's."""
+        kept = rec.rho > 0
+        value = 1.0 + self.calibration.gain_scale * (rec.predicted if kept else 0.0) / max(rec.n_live, 1)
+        return value - self.seconds(True, rec.rho if kept else 0.0) / self.seconds(False)
+
+    def draft_now(self) -> bool:
+        if self.state == "off" and self.possible:
+            self.skipped += 1
+            if self.skipped >= self.period:
+                self.state = "probing"
+        return self.state != "off"
+
+    def observe(self, rec) -> None:
+        """Learn from one StepRecord of this batch size."""
+        self.margin *= RUN_DECAY
+        if rec.catchup > 0:
+            self.catchup = rec.catchup
+        if not rec.drafted:
+            return
+        kept = rec.rho > 0
+        if kept:
+            self.accepted = [ACCEPTED_DECAY * self.accepted[0] + rec.accepted,
+                             ACCEPTED_DECAY * self.accepted[1] + rec.n_live]
+        # A step with few live rows (a batch's tail, where each keeps more of the budget) counts for
+        # what it commits: its gain per row is weighted by its share of the batch's rows.
+        self.margin += self.gain_over_ar(rec) * rec.n_live / self.B
+        self.drafting_steps += 1
+        if self.state == "drafting" and self.margin < 0 and self.drafting_steps >= self.patience:
+            self.state = "off"
+        elif self.state == "probing":
+            self.state = "drafting" if self.margin > 0 else "off"
+        if self.state == "off":
+            self.skipped = 0
+            self.period = self.probe_period()  # priced on what was just learned

@@ -1,0 +1,341 @@
+"""The policy (docs/method.md, "Choosing rho", "Calibration", "Skipping drafting"): the paper's rule as
+the engine composes it, the calibration and the skip-drafting controller, each on its own."""
+
+import pytest
+import torch
+
+from minidcut import dcut
+from minidcut.calibration import Calibration
+from minidcut.cost_model import CostTable
+from minidcut.engine import Engine
+from minidcut.loader import load_target
+from minidcut.policy import Policy, StepRecord
+from minidcut.skipping import PROBE_BUDGET, SkipDrafting
+from tiny import make_model
+
+RHOS = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def steep_table():
+    """Dense target on a compute-bound machine: verify cost grows with the verified token count."""
+    return CostTable([16, 64], RHOS, [[1.0, 1.6, 2.2, 2.8, 3.4], [1.0, 2.5, 4.0, 5.5, 7.0]])
+
+
+def flat_table():
+    """MoE-like: nearly flat in rho (the paper's profile of an MoE target: 80 / 85 / 86 / 91 ms)."""
+    return CostTable([16, 64], RHOS, [[1.0, 1.10, 1.12, 1.14, 1.16], [1.0, 1.06, 1.08, 1.09, 1.14]])
+
+
+def skip(table, B, calibrate=False, **kw):
+    """A skip controller of batch size B over the table's row, with its own calibration."""
+    return SkipDrafting(B, RHOS, table.row(B, RHOS), Calibration(enabled=calibrate), **kw)
+
+
+def drafting(B, rho, predicted, accepted=None, n_live=None, seconds=0.0, catchup=0.0):
+    """A StepRecord of a drafting step."""
+    return StepRecord(B, n_live or B, True, rho, predicted, int(predicted) if accepted is None else accepted,
+                      seconds, catchup)
+
+
+def ar_step(B, seconds=0.0, n_live=None):
+    return StepRecord(B, n_live or B, False, seconds=seconds)
+
+
+# ---- the paper's rule, as the engine composes it ---------------------------------------------------
+
+class FixedDrafter(torch.nn.Module):
+    """A stand-in drafter whose every draft has confidence `conf` (its token: 1)."""
+
+    block_size, taps = 16, ()
+
+    def __init__(self, conf: float, vocab: int):
+        super().__init__()
+        self.conf, self.vocab = conf, vocab
+
+    def setup_cache(self, rows, max_seq):
+        pass
+
+    def add_context(self, *args, **kw):
+        pass
+
+    def forward(self, target, anchor, anchor_pos):
+        probs = torch.full((anchor.shape[0], self.block_size - 1, self.vocab), (1 - self.conf) / (self.vocab - 1))
+        probs[..., 1] = self.conf
+        return probs.log()  # [B, D, V]
+
+
+@pytest.mark.parametrize("gain, expected", [("committed", 0.25), ("accepted", 0.5)])
+def test_rho_star_as_the_engine_composes_it(tmp_path, gain, expected):
+    """B = 2, every confidence 0.7, calibrated gain scale 0.5, costs 1.6 / 1.8 / 2.4 / 3.0 for rho =
+    0.25 .. 1 (rho = 0 priced as a drafting step). Expected committed tokens per second, 0.5 * gain + 2
+    anchors, is highest at rho = 0.25; without the anchors (the paper's gain) at rho = 0.5. Dropping the
+    calibration scale (gain + anchors) would choose 0.5 as well: this pins the composition."""
+    make_model(tmp_path, "llama", num_hidden_layers=1)
+    target = load_target(tmp_path)
+    table = CostTable([2], RHOS, [[1.0, 1.6, 1.8, 2.4, 3.0]])
+    policy = Policy.dcut(table, RHOS, count_anchors=gain == "committed")
+    engine = Engine(target, FixedDrafter(0.7, target.cfg.vocab_size), policy, batch_size=2, max_seq=64,
+                    compile=False)
+    policy.calibration.gain_scale = 0.5
+    z = torch.zeros(2, dtype=torch.long)
+    draft = engine.draft(z, z + 3, [15, 15], n_live=2)
+    assert policy.rhos[draft.rho_index] == expected
+    # The same decision by hand: argmax (scale * gain + anchors) / cost.
+    log_s = dcut.prefix_scores(torch.full((2, 15), 0.7), torch.full((2,), 15))
+    g = dcut.gains(log_s, engine.budgets(2), None)
+    by_hand = (0.5 * g + (2 if gain == "committed" else 0)) / torch.tensor([1.6, 1.6, 1.8, 2.4, 3.0])
+    assert int(torch.argmax(by_hand)) == draft.rho_index
+
+
+def choose(table, B, conf, **kw):
+    """The dcut policy's in-graph decision, run eagerly: rho* for confidences conf [B, D]."""
+    policy = Policy.dcut(table, RHOS, **kw)
+    Ks = [dcut.budget(r, B, conf.shape[1]) for r in RHOS]
+    gain = dcut.gains(dcut.prefix_scores(conf, torch.full((B,), conf.shape[1])), Ks, None)
+    return RHOS[int(policy.choose(gain, torch.tensor(float(B)), torch.tensor(1.0), policy.cost_vector(B, "cpu")))]
+
+
+def test_rho_choice_prunes_hard_on_steep_costs_and_keeps_more_on_flat_costs():
+    torch.manual_seed(0)
+    conf = torch.rand(64, 15) * 0.3 + 0.7  # a decent drafter: confidences 0.7..1.0
+    assert choose(steep_table(), 64, conf) <= 0.25
+    assert choose(flat_table(), 64, conf) >= 0.75
+
+
+def test_hopeless_drafts_fall_back_to_ar():
+    conf = torch.full((16, 15), 0.02)
+    # Without skip drafting, the step itself falls back to rho = 0 (an AR verification).
+    assert choose(steep_table(), 16, conf, skip_drafting=False) == 0.0
+    # With it, the paid-for draft keeps the smallest budget, and the step counts as lost to AR.
+    assert choose(steep_table(), 16, conf) == 0.25
+    assert skip(steep_table(), 16).gain_over_ar(drafting(16, 0.25, float(conf[:, 0].sum()))) < 0
+
+
+def test_a_drafting_step_prices_rho_zero_as_a_drafting_step_when_drafting_can_be_skipped():
+    costs = Policy.dcut(steep_table(), RHOS).cost_vector(16, "cpu").tolist()
+    assert costs[0] == costs[1] == pytest.approx(1.6)  # the draft is paid: rho = 0 saves nothing
+    q = Policy.dcut(steep_table(), RHOS, skip_drafting=False)  # no other way back to AR steps
+    assert q.cost_vector(16, "cpu").tolist()[0] == pytest.approx(1.0)
+
+
+def test_a_batch_size_without_a_table_row_never_drafts():
+    p = Policy.dcut(steep_table(), RHOS)
+    assert p.draft_now(16) and not p.draft_now(32)  # 32 was not measured: no costs to decide with
+    assert not p.skip(32).possible
+
+
+# ---- calibration -----------------------------------------------------------------------------------
+
+def test_calibration_tracks_realized_over_predicted_accepted_drafts():
+    cal, costs = Calibration(), dict(zip(RHOS, steep_table().row(64, RHOS)))
+    for _ in range(200):  # an over-confident drafter: realizes half of what it predicts
+        cal.observe(drafting(64, 0.25, 10.0, accepted=5), costs)
+    assert cal.gain_scale == pytest.approx(0.5, rel=0.02)
+    off = Calibration(enabled=False)
+    for _ in range(50):
+        off.observe(drafting(64, 0.25, 10.0, accepted=5), costs)
+    assert off.gain_scale == 1.0
+
+
+def test_one_outlier_step_moves_the_cost_scale_little():
+    cal, costs = Calibration(), dict(zip(RHOS, steep_table().row(16, RHOS)))
+    for _ in range(20):
+        cal.observe(ar_step(16, seconds=1.0), costs)
+    cal.observe(ar_step(16, seconds=100.0), costs)  # a GC pause or a compile
+    assert cal.cost_scale(False) < 1.3
+
+
+def test_a_drafting_step_that_kept_nothing_is_compared_with_the_smallest_drafting_step():
+    cal = Calibration()
+    cal.observe(drafting(16, 0.0, 0.1, seconds=1.6), dict(zip(RHOS, steep_table().row(16, RHOS))))
+    assert cal.cost_scale(True) == pytest.approx(1.0)
+
+
+# ---- skipping drafting -----------------------------------------------------------------------------
+
+def test_skip_drafting_switches_off_after_patience_and_reprobes():
+    # B = 16: a drafting step costs 1.04 AR steps, so a probe that keeps nothing loses 0.04 AR steps:
+    # the probe period is 0.04 / PROBE_BUDGET + 1 = 5 steps, probe_every.
+    s = skip(CostTable([16], RHOS, [[1.0, 1.04, 1.05, 1.06, 1.07]]), 16, calibrate=True, patience=3,
+             probe_every=5)
+    drafted = []
+    for _ in range(23):  # rho* = 0 (nothing kept) whenever it drafts
+        d = s.draft_now()
+        drafted.append(d)
+        s.observe(drafting(16, 0.0, 0.1) if d else ar_step(16))
+    assert drafted[:3] == [True, True, True] and s.state == "off"
+    assert not any(drafted[3:7])  # switched off...
+    assert drafted[7]  # ...then a probe after probe_every steps,
+    assert [i for i, d in enumerate(drafted) if d][3:] == [7, 12, 17, 22]  # one every probe period
+
+
+def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying():
+    """B = 16, steep table: a drafting step at rho = 0.25 costs 1.6 AR steps. Two steps that kept nothing
+    lose 0.6 AR-step tokens per row each; a probe that is predicted to commit 1 + 40 / 16 = 3.5 tokens
+    per row (1.9 more than AR steps in its time) outweighs them: drafting is back on. A probe that
+    barely pays (1 + 12 / 16 = 1.75, +0.15) does not outweigh them."""
+    def after_probe(predicted):
+        s = skip(steep_table(), 16, patience=2, probe_every=3)
+        for _ in range(2):
+            s.draft_now()
+            s.observe(drafting(16, 0.0, 0.1))
+        while not s.draft_now():
+            s.observe(ar_step(16))
+        assert s.state == "probing"
+        s.observe(drafting(16, 0.25, predicted))
+        return s.state
+    assert after_probe(40.0) == "drafting"
+    assert after_probe(12.0) == "off"
+
+
+def test_policy_never_drafts_where_the_table_says_even_perfect_drafts_cannot_beat_ar():
+    # B = 64: an AR step costs 1.0, any drafting step >= 20: even all K accepted cannot pay for it.
+    hopeless = skip(CostTable([64], RHOS, [[1.0, 20.0, 21.0, 22.0, 23.0]]), 64)
+    assert not hopeless.possible and not hopeless.draft_now() and not hopeless.draft_now()
+    assert skip(steep_table(), 64).possible
+
+
+def test_probes_are_rarer_where_drafting_costs_more_than_an_ar_step():
+    table = CostTable([1, 64], RHOS, [[1.0, 1.1, 1.2, 1.3, 1.4], [1.0, 8.0, 9.0, 10.0, 11.0]])
+    assert skip(table, 1).probe_period() == 16  # a probe costs 0.1 of an AR step: the floor applies
+    s = skip(table, 64)
+    assert s.probe_period() >= 7.0 / PROBE_BUDGET  # 7 extra AR steps per probe, <= PROBE_BUDGET of the time
+    for _ in range(30):  # drafting steps that get 5 drafts per row accepted: a probe commits 6 tokens a row
+        s.observe(drafting(64, 0.25, 5.0 * 64))
+    assert s.probe_period() == pytest.approx(1 + 2.0 / PROBE_BUDGET, abs=1)  # it loses 8 - 6 AR steps, not 7
+
+
+def test_a_probes_catch_up_of_the_drafters_context_makes_probes_rarer():
+    s = skip(CostTable([64], RHOS, [[1.0, 8.0, 9.0, 10.0, 11.0]]), 64)
+    assert s.probe_period() == pytest.approx(1 + 7.0 / PROBE_BUDGET, abs=1)  # 7 AR steps lost a probe
+    s.observe(drafting(64, 0.25, 0.0, catchup=2.0))  # a probe that first spent 2 AR steps catching up
+    assert s.probe_period() == pytest.approx(1 + 9.0 / PROBE_BUDGET, abs=1)
+
+
+def test_steps_with_few_live_rows_weigh_what_they_commit():
+    """B = 8, a drafting step costs 3 AR steps. Full-batch steps commit 2.5 tokens a row (8 rows: 4 tokens
+    fewer than AR steps in their time); at the end of a batch one live row keeps more of the budget and
+    commits 7 (4 more). Two tail steps and six full ones, over and over: 16 tokens lost each time, so drafting
+    must switch off, though the tail steps win by more per row than the full ones lose."""
+    s = skip(CostTable([8], RHOS, [[1.0, 3.0, 3.2, 3.4, 3.6]]), 8, patience=2)
+    switched_off = False
+    for _ in range(3):
+        for n_live, predicted in [(1, 6.0)] * 2 + [(8, 12.0)] * 6:  # a batch's tail, then the next batch
+            if s.draft_now():
+                s.observe(drafting(8, 0.25, predicted, n_live=n_live))
+            else:
+                switched_off = True
+                s.observe(ar_step(8, n_live=n_live))
+    assert switched_off
+
+
+def test_probes_are_priced_on_what_drafting_usually_gets_not_on_the_last_hard_stretch():
+    """B = 1, a drafting step costs 2.9 AR steps. 200 steps that commit 4 tokens (drafting pays), then a
+    hard request (nothing accepted): drafting switches off within 30 steps, but probes stay cheap (the long
+    mean is ~2.4 accepted drafts, so a probe is expected to win), so they come every probe_every steps
+    instead of every ~127 (what the hard stretch alone would price them at)."""
+    s = skip(CostTable([1], RHOS, [[1.0, 2.9, 3.0, 3.1, 3.2]]), 1)
+    for _ in range(200):
+        s.observe(drafting(1, 0.25, 3.0))
+    hard = 0
+    while s.draft_now():  # the hard request: drafting switches off
+        s.observe(drafting(1, 0.25, 0.0))
+        hard += 1
+    assert hard <= 30
+    steps = 1  # the AR step that draft_now() just chose
+    s.observe(ar_step(1))
+    while not s.draft_now():
+        s.observe(ar_step(1))
+        steps += 1
+    assert steps + 1 == s.probe_every  # the probe is step probe_every after switching off
+
+
+def test_drafting_switches_off_when_drafting_steps_are_predicted_to_lose_to_ar_steps_on_average():
+    """B = 16, steep table: rho = 0.5 costs 2.2 AR steps, so a step pays only above 1.2 * 16 = 19.2
+    predicted accepted drafts (calibrated). One acceptance is noisy: the running mean over recent
+    drafting steps decides, so a short dip does not switch drafting off and a lasting one does."""
+    s = skip(steep_table(), 16, patience=3)
+    for _ in range(10):  # 30 predicted accepted drafts per step: drafting pays, stays on
+        assert s.draft_now()
+        s.observe(drafting(16, 0.5, 30.0))
+    assert s.gain_over_ar(drafting(16, 0.5, 30.0)) > 0 > s.gain_over_ar(drafting(16, 0.5, 10.0))
+    losing = 0
+    while s.draft_now():  # 10 per step: an AR step commits faster
+        s.observe(drafting(16, 0.5, 10.0))
+        losing += 1
+        assert losing < 30
+    assert 3 < losing  # not on the first losing steps: the 10 good ones still weigh
+    q = skip(steep_table(), 16, patience=3)
+    for _ in range(3):  # losing from the start: off after `patience` drafting steps
+        assert q.draft_now()
+        q.observe(drafting(16, 0.5, 10.0))
+    assert not q.draft_now()
+
+
+def test_noisy_acceptance_that_pays_on_average_keeps_drafting_on():
+    """B = 16, rho = 0.5 pays above 19.2 predicted accepted drafts. A stream of one step at 80 and four
+    at 5 (mean 20) pays on average although four steps in five lose: drafting stays on. The same
+    stream shifted down (one at 60, four at 5: mean 16) loses on average: drafting goes off."""
+    def drafted_share(high):
+        s = skip(steep_table(), 16, patience=4)
+        drafted = 0
+        for i in range(200):
+            if s.draft_now():
+                drafted += 1
+                s.observe(drafting(16, 0.5, high if i % 5 == 0 else 5.0, accepted=0))
+            else:
+                s.observe(ar_step(16))
+        return drafted / 200
+    assert drafted_share(80.0) == 1.0
+    assert drafted_share(60.0) < 0.2
+
+
+def policy_after(draft_s, ar_s=None):
+    """A dcut policy at B = 16 (steep table) after five rho = 0.5 drafting steps measured at draft_s
+    seconds (the table says 2.2) and an AR step at ar_s seconds (the table says 1.0)."""
+    p = Policy.dcut(steep_table(), RHOS, patience=3)
+    for _ in range(5):
+        p.observe(drafting(16, 0.5, 25.0, seconds=draft_s))
+    if ar_s is not None:
+        p.observe(ar_step(16, seconds=ar_s))
+    p.calibration.gain_scale = 1.0
+    return p
+
+
+def test_measured_step_seconds_rescale_the_costs_that_decide_whether_drafting_pays():
+    """B = 16, steep table: rho = 0.5 is priced at 2.2 AR steps, so 25 predicted accepted drafts per step
+    pay ((25 + 16) / 2.2 > 16 / 1). When the loop measures drafting steps at twice the table's seconds,
+    they no longer do ((25 + 16) / 4.4 < 16); when both kinds run twice as slow, they still do."""
+    def pays(p):
+        return p.skip(16).gain_over_ar(drafting(16, 0.5, 25.0)) > 0
+    assert pays(policy_after(2.2))
+    assert policy_after(4.4, ar_s=1.0).calibration.cost_scale(True) == pytest.approx(2.0)
+    assert not pays(policy_after(4.4, ar_s=1.0))
+    assert pays(policy_after(4.4, ar_s=2.0))  # a slower machine, not a dearer draft
+    assert policy_after(4.4).calibration.cost_scale(False) == 1.0  # no AR step measured yet: the table's
+
+
+def test_measured_costs_switch_drafting_off_where_the_table_is_too_optimistic():
+    """The engine's loop pays 3x the table's drafting step (host work the profile did not see): the
+    calibrated skip decision switches drafting off; with calibration off, drafting stays on."""
+    on = {}
+    for calibrate in (True, False):
+        p = Policy.dcut(steep_table(), RHOS, patience=3, calibrate=calibrate)
+        for _ in range(6):
+            p.observe(drafting(16, 0.5, 25.0, seconds=6.6) if p.draft_now(16) else ar_step(16, seconds=1.0))
+        on[calibrate] = p.draft_now(16)
+    assert on == {True: False, False: True}
+
+
+def test_policy_state_outlives_a_generate_call_and_the_skip_state_is_per_batch_size():
+    p = Policy.dcut(steep_table(), RHOS, patience=2, probe_every=5)
+    p.observe(drafting(16, 0.25, 10.0, accepted=5))  # a calibration sample: half the drafts accepted
+    for _ in range(2):  # two drafting steps that chose rho = 0: drafting switches off at B = 16
+        p.draft_now(16)
+        p.observe(drafting(16, 0.0, 10.0))
+    assert not p.draft_now(16)  # nothing is forgotten between steps or generate() calls
+    scale = p.calibration.gain_scale
+    assert scale < 1.0
+    assert p.draft_now(64) and p.calibration.gain_scale == scale  # B = 64 decides on its own
+    p.reset()
+    assert p.calibration.gain_scale == 1.0 and p.draft_now(16)
