@@ -1,10 +1,13 @@
-"""The DFlash block drafter (PAPER.md section 2).
+"""The DFlash block drafter.
 
 One forward fills a whole block: slot 0 holds the anchor (the last committed token), slots 1..D hold
 mask_token_id, and each slot's argmax is a draft token. The drafter has no embedding and no lm_head: it
-borrows the target's. Its context is the target's hidden states at the tapped layers, fused by
-fc + hidden_norm and projected by every draft layer's own k_proj / v_proj into a context-only KV cache.
-Queries come from the block only; attention is bidirectional over [context ; block].
+borrows the target's. Its context is the target's hidden states at the tapped layers (transformers'
+hidden_states[id + 1] for each target_layer_ids entry id: the output of layer id, after the final norm
+for the last layer), fused by fc + hidden_norm and projected by every draft layer's own k_proj / v_proj
+into a context-only KV cache. Queries come from the block only; attention is bidirectional over
+[context ; block]. As in z-lab's drafter, the config may make layers causal (is_causal; unset, the
+sliding layers are) and give sliding layers a window (keys less than `sliding_window` positions away).
 
 The fused context features are also kept ([rows, max_seq, H]): while the policy has drafting switched
 off, verification stores them but skips the K/V projections, and the next drafting step catches the
@@ -17,7 +20,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, DrafterConfig, ModelConfig
-from .layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from .layers import DecoderLayer, RMSNorm, rope_attention_scaling, rope_cos_sin, rope_inv_freq
 from .model import KVCache, Layout
 
 
@@ -42,6 +45,22 @@ def check_pair(cfg: DrafterConfig, target: ModelConfig, where: str) -> None:
         raise ConfigError(f"{where}: block_size must be >= 2, got {cfg.block_size}")
 
 
+def block_mask(anchor_pos: torch.Tensor, Bs: int, S: int, causal: bool, window: int | None) -> torch.Tensor:
+    """Which cache entries [b, 1, Bs, S] each block slot reads: the context before the anchor and the
+    whole block (only the slots up to itself if causal), and with a window only the entries less than
+    `window` positions away (on either side unless causal)."""
+    keys = torch.arange(S, device=anchor_pos.device)  # [S]
+    qpos = anchor_pos[:, None, None] + torch.arange(Bs, device=anchor_pos.device)[:, None]  # [b, Bs, 1]
+    visible = (keys < (anchor_pos + Bs)[:, None])[:, None, :].expand(-1, Bs, -1)  # [b, Bs, S]
+    if causal:
+        visible = visible & (keys <= qpos)
+    if window:
+        visible = visible & (qpos - keys < window)
+        if not causal:
+            visible = visible & (keys - qpos < window)
+    return visible[:, None]
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -55,6 +74,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                              persistent=False)
+        self.rope_scale = rope_attention_scaling(c.rope_scaling)
+        self.attention = [(i in cfg.causal_layers, c.window(i)) for i in range(c.num_layers)]  # per layer
         self.caches = nn.ModuleList()
 
     def setup_cache(self, rows: int, max_seq: int) -> None:
@@ -83,7 +104,7 @@ class DFlashDrafter(nn.Module):
         self._write_kv(self.feats[row, pos], row, pos)
 
     def _write_kv(self, feats: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> None:
-        cos, sin = rope_cos_sin(self.inv_freq, pos, feats.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, feats.dtype, self.rope_scale)
         for layer, cache in zip(self.layers, self.caches):
             k, v = layer.self_attn.project_kv(feats, cos, sin)  # [T, n_kv, Dh]
             cache.k[row, :, pos] = k
@@ -100,13 +121,12 @@ class DFlashDrafter(nn.Module):
         block[:, 0] = anchor  # [b, Bs]: anchor, mask, ..., mask
         pos = (anchor_pos[:, None] + offs).flatten()  # [b*Bs]
         row = torch.arange(b, device=anchor.device).repeat_interleave(Bs)  # [b*Bs]
-        # Bidirectional: every slot reads the context before the anchor and the whole block.
-        visible = torch.arange(S, device=anchor.device) < (anchor_pos + Bs)[:, None]  # [b, S]
-        layout = Layout(row, pos, torch.arange(b * Bs, device=anchor.device), b, Bs,
-                        visible[:, None, None, :].expand(b, 1, Bs, S))
+        slot = torch.arange(b * Bs, device=anchor.device)
+        layouts = {kind: Layout(row, pos, slot, b, Bs, block_mask(anchor_pos, Bs, S, *kind))
+                   for kind in dict.fromkeys(self.attention)}
         x = target.model.embed_tokens(block.flatten())  # [b*Bs, H]
-        cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype)
-        for layer, cache in zip(self.layers, self.caches):
-            x = layer(x, cos, sin, (cache.k, cache.v), layout)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype, self.rope_scale)
+        for layer, cache, kind in zip(self.layers, self.caches, self.attention):
+            x = layer(x, cos, sin, (cache.k, cache.v), layouts[kind])
         h = self.norm(x).view(b, Bs, -1)[:, 1:].reshape(b * (Bs - 1), -1)  # [b*D, H], contiguous:
         return target.lm_head(h).view(b, Bs - 1, -1)  # [b, D, V]  (a 3-D strided input makes a slow bmm)

@@ -1,5 +1,6 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention over a static
-KV cache, SwiGLU MLP and the MoE block.
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE (default, linear, Llama-3, YaRN),
+GQA attention over a static KV cache, SwiGLU MLP and the MoE block (its grouped matmul never syncs with
+the host).
 
 Token layout. A forward takes a PACKED batch of T tokens (rows with different token counts, no padding
 in the linear layers). Attention alone works on a padded grid [n, Q]: token t sits at grid cell
@@ -31,13 +32,15 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with linear or Llama-3 scaling applied."""
+    """Inverse frequencies [head_dim / 2], with linear, Llama-3 or YaRN scaling applied."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
         return inv / factor
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
     # llama3: long wavelengths scaled down by `factor`, short ones kept, a smooth ramp between.
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -49,11 +52,53 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [*pos.shape, head_dim] for absolute positions `pos` (fp32 math, then cast)."""
+def yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: dimensions that turn more than beta_fast times over the original context keep their
+    frequency, those turning fewer than beta_slow times are divided by `factor`, a linear ramp between
+    (transformers' formula, truncate included)."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations):  # the dimension that turns `rotations` times over old_len positions
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    keep = 1 - ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def rope_attention_scaling(scaling: dict | None) -> float:
+    """The factor transformers multiplies cos and sin by: YaRN's attention_factor (given, or from
+    mscale / mscale_all_dim, or 0.1 ln(factor) + 1); 1 for the other rope types."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """cos, sin [*pos.shape, head_dim] for absolute positions `pos`, times `scale` (YaRN's attention
+    scaling); fp32 math, then cast."""
     freqs = pos.float()[..., None] * inv_freq  # [..., Dh/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [..., Dh]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,7 +126,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(H, cfg.num_heads * Dh, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(H, cfg.num_kv_heads * Dh, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(H, cfg.num_kv_heads * Dh, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * Dh, H, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * Dh, H, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -105,9 +150,11 @@ class Attention(nn.Module):
         k, v = self.project_kv(x, cos, sin)
         qg = to_grid(q, layout.slot, layout.n, layout.Q)  # [n, Hq, Q, Dh]
         if layout.prefill:
-            # Prompts start at position 0 in fresh rows: attend causally among the prompt's own tokens.
+            # Prompts start at position 0 in fresh rows: attend causally among the prompt's own tokens
+            # (a sliding-window layer's prefill layout carries its own [Q, Q] mask).
             kg, vg = to_grid(k, layout.slot, layout.n, layout.Q), to_grid(v, layout.slot, layout.n, layout.Q)
-            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=layout.mask,
+                                                 is_causal=layout.mask is None, enable_gqa=True)
         else:
             kg, vg = None, None
         if cache is not None:
@@ -123,30 +170,61 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def native_grouped_mm(x: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm multiplies x [M, K] without a host sync: on CPU (any float dtype) and
+    with CUDA bf16 on compute capability 9.x / 10.x (its grouped GEMM kernel); elsewhere it loops over
+    the groups after copying `offs` to the host. It needs 16-byte aligned rows: K long in x and in the
+    transposed expert weights MoE passes as w."""
+    if x.shape[1] * x.element_size() % 16:
+        return False
+    if x.device.type == "cpu":
+        return True
+    return (x.is_cuda and torch.version.hip is None and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] in (9, 10))
+
+
+def tiled_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm without a host sync on any device: each expert's rows are cut into tiles of m rows
+    (the last one zero-padded), each tile is multiplied by a gathered copy of its expert's weight in
+    one bmm. With m = ceil(M / E) there are at most M // m + min(E, M) tiles, whatever the routing: at
+    most 2 min(E, M) weight copies and 2 M rows, so the cost follows the M = T*k routed rows."""
+    M, K = x.shape
+    E = w.shape[0]
+    m = max(1, -(-M // E))  # rows per tile
+    n_tiles = (M + min(E, M) * (m - 1)) // m  # a static bound on sum_e ceil(count_e / m)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))  # [E] rows per expert
+    tiles = (counts + m - 1) // m  # [E] tiles per expert
+    tile_end = torch.cumsum(tiles, 0)  # [E]
+    rows = torch.arange(M, device=x.device)
+    expert = torch.searchsorted(offs, rows.to(offs.dtype), right=True)  # [M] expert of each row
+    slot = (tile_end - tiles)[expert] * m + rows - (offs - counts)[expert]  # [M] row in the tiled layout
+    tile_expert = torch.searchsorted(tile_end, torch.arange(n_tiles, device=x.device, dtype=tile_end.dtype),
+                                     right=True).clamp(max=E - 1)  # [n_tiles]; unused tiles: any expert
+    tiled = x.new_zeros(n_tiles * m, K).index_copy(0, slot, x).view(n_tiles, m, K)
+    # Gather the weights as stored ([E, N, K] contiguous under the transposed view) and bmm the view.
+    w_tiles = w.mT[tile_expert].mT if w.mT.is_contiguous() else w[tile_expert]  # [n_tiles, K, N]
+    return torch.bmm(tiled, w_tiles).view(n_tiles * m, -1)[slot]  # [M, N]
 
 
 @torch.library.custom_op("minidcut::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows x[offs[e-1]:offs[e]] times w[e] for each expert e. x [M, K], w [E, K, N] -> [M, N].
 
-    One opaque op, so the MoE block stays a single static graph. bf16 uses torch's grouped GEMM
-    (one kernel, no host sync: CUDA-graph safe); other dtypes loop over experts on the host."""
-    if x.dtype == torch.bfloat16:
+    One opaque op, so the MoE block stays a single static graph, and no host sync on any device or
+    dtype (CUDA-graph safe): torch's grouped GEMM where it has one without a sync, else tiles."""
+    if native_grouped_mm(x):
         return torch._grouped_mm(x, w, offs=offs)
-    out = x.new_empty(x.shape[0], w.shape[2])
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end] @ w[e]
-        start = end
-    return out
+    return tiled_grouped_mm(x, w, offs)
 
 
 @grouped_mm.register_fake
@@ -208,7 +286,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (MoE(cfg) if cfg.is_moe_layer(i)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
 
     def forward(self, x, cos, sin, cache, layout):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layout)

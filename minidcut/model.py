@@ -2,8 +2,9 @@
 
 One packed forward serves prefill, AR decoding and D-cut verification: T tokens from n rows with
 different counts per row, written into a static KV cache [rows, kv_heads, max_seq, head_dim] per layer.
-It can return the hidden states of chosen layers (the drafter's taps, PAPER.md section 2) and logits for
-chosen token indices only. Module names match Hugging Face keys, so a checkpoint loads as it is.
+It can return the hidden states of chosen layers (the drafter's taps: transformers' hidden_states[id + 1])
+and logits for chosen token indices only. Module names match Hugging Face keys, so a checkpoint loads as
+it is. Sliding-window layers read a narrower mask of the same layout (windowed).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from .layers import DecoderLayer, RMSNorm, rope_attention_scaling, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
@@ -44,6 +45,20 @@ def causal_layout(row: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, n: in
     keys = torch.arange(max_seq, device=pos.device)  # [S]
     mask = keys[None, :] <= qpos[:, None]  # [n*Q, S]
     return Layout(row, pos, slot, n, Q, mask.view(n, 1, Q, max_seq))
+
+
+def windowed(layout: Layout, window: int) -> Layout:
+    """The layout of a sliding-window layer: a token at position p reads only the entries j with
+    p - window < j <= p of what `layout` lets it read."""
+    device = layout.pos.device
+    if layout.prefill:  # the grid column of a prompt token is its position
+        i = torch.arange(layout.Q, device=device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [Q, Q]
+        return Layout(layout.row, layout.pos, layout.slot, layout.n, layout.Q, mask[None, None], prefill=True)
+    n, Q, S = layout.n, layout.Q, layout.mask.shape[-1]
+    qpos = torch.zeros(n * Q, dtype=layout.pos.dtype, device=device).index_copy(0, layout.slot, layout.pos)
+    near = torch.arange(S, device=device)[None, :] > qpos[:, None] - window  # [n*Q, S]
+    return Layout(layout.row, layout.pos, layout.slot, n, Q, layout.mask & near.view(n, 1, Q, S))
 
 
 def prefill_layout(rows: list[int], lengths: list[int], device) -> tuple[Layout, torch.Tensor]:
@@ -85,6 +100,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
+        self.rope_scale = rope_attention_scaling(cfg.rope_scaling)
         self.caches = nn.ModuleList()
 
     @property
@@ -103,15 +119,23 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, layout: Layout, logits_idx: torch.Tensor | None = None,
                 taps: tuple[int, ...] = ()):
         """tokens [T] -> (logits [N, V] for tokens logits_idx (all tokens if None),
-        taps [T, len(taps) * H]: outputs of the tapped layers, concatenated; None if no taps)."""
+        taps [T, len(taps) * H]: the tapped layers' outputs concatenated, None if no taps).
+
+        Tap i is transformers' hidden_states[i + 1]: the output of layer i, except for the last layer,
+        whose hidden state transformers gives after the final norm."""
+        c = self.cfg
         x = self.model.embed_tokens(tokens)  # [T, H]
-        cos, sin = rope_cos_sin(self.inv_freq, layout.pos, x.dtype)  # [T, Dh]
-        outs = []  # every layer's output, for the taps
+        cos, sin = rope_cos_sin(self.inv_freq, layout.pos, x.dtype, self.rope_scale)  # [T, Dh]
+        sliding = windowed(layout, c.sliding_window) if c.sliding_window and c.sliding_layers else None
+        outs = {}  # layer -> its output [T, H], for the taps
         for i, layer in enumerate(self.model.layers):
             cache = (self.caches[i].k, self.caches[i].v) if len(self.caches) else None
-            x = layer(x, cos, sin, cache, layout)
-            outs.append(x)
-        if logits_idx is not None:
-            x = x[logits_idx]  # [N, H]
-        logits = self.lm_head(self.model.norm(x))  # [N, V]
+            x = layer(x, cos, sin, cache, sliding if c.window(i) else layout)
+            outs[i] = x
+        if c.num_layers - 1 in taps:
+            x = outs[c.num_layers - 1] = self.model.norm(x)  # [T, H]
+            h = x if logits_idx is None else x[logits_idx]
+        else:
+            h = self.model.norm(x if logits_idx is None else x[logits_idx])  # [N, H]
+        logits = self.lm_head(h)  # [N, V]
         return logits, (torch.cat([outs[i] for i in taps], dim=-1) if taps else None)

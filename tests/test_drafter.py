@@ -1,10 +1,13 @@
-"""The DFlash drafter (PAPER.md section 2) against a reference written here from the paper alone.
+"""The DFlash drafter against a reference written here from the DFlash description and z-lab's drafter.
 
 The reference works on the raw checkpoint tensors (z-lab key names) and on Hugging Face's hidden
 states, one request at a time, recomputing everything from scratch with no cache:
-  context  = hidden_norm(fc(concat of the tapped layers' outputs for the committed tokens))
+  context  = hidden_norm(fc(concat of hidden_states[id + 1] for the tapped ids, committed tokens))
   per layer: q from the block only; k / v from [context ; block], each through the layer's own
-             k_proj / v_proj (+ k_norm, RoPE at absolute positions); attention is not causal
+             k_proj / v_proj (+ k_norm, RoPE at absolute positions from transformers' Qwen3 rotary
+             embedding on the drafter's config); attention is not causal, unless the layer is (is_causal,
+             or unset on a sliding layer), and a sliding window keeps keys within `sliding_window`
+             positions (on both sides unless causal), as z-lab's drafter masks it
   logits   = target lm_head(norm(block)) on slots 1..block_size-1
 minidcut's drafter must match it with requests of different context lengths in one batch, also after
 a second round of committed tokens (stale block K/V in its cache must not leak in).
@@ -16,8 +19,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from minidcut.config import ConfigError, default_target_layer_ids, load_drafter_config
+from minidcut.layers import rope_cos_sin
 from minidcut.loader import load_drafter, load_target
 from minidcut.model import causal_layout, prefill_layout
 from tiny import hf_config, make_drafter, make_model
@@ -31,40 +37,63 @@ def rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x, pos, theta):
-    """x [T, heads, Dh] rotated (rotate-half form) to absolute positions pos [T]."""
-    Dh = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, Dh, 2).float() / Dh)
-    f = pos.float()[:, None] * inv  # [T, Dh/2]
-    cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
+def rope(x, cos, sin):
+    """x [T, heads, Dh] rotated (rotate-half form) by cos, sin [T, Dh]."""
     x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
+
+
+def hf_rotary(cfg, pos):
+    """cos, sin [T, Dh] at positions pos [T]: transformers' Qwen3 rotary embedding on the drafter's
+    config.json (what z-lab's drafter uses), rope scaling included."""
+    cos, sin = Qwen3RotaryEmbedding(transformers.Qwen3Config(**cfg))(torch.zeros(1), pos[None])
+    return cos[0], sin[0]
+
+
+def visible(cfg, i, qpos, kpos):
+    """[q, k] bool: which keys draft layer i's block queries read, as z-lab's drafter masks them."""
+    hf = transformers.Qwen3Config(**cfg)
+    sliding = hf.layer_types[i] == "sliding_attention"
+    causal = sliding if cfg.get("is_causal") is None else cfg["is_causal"]
+    window = hf.sliding_window if sliding else None
+    d = qpos[:, None] - kpos[None, :]  # [q, k]
+    ok = torch.ones_like(d, dtype=torch.bool)
+    if causal:
+        ok &= d >= 0
+    if window is not None:
+        ok &= d < window
+        if not causal:
+            ok &= -d < window
+    return ok
 
 
 @torch.no_grad()
 def reference_draft(W, cfg, hf_target, committed, anchor):
     """Logits [block_size - 1, V] for ONE request: committed tokens (the context, positions
     0..n-1) and the anchor at position n. W: the drafter's checkpoint tensors; cfg: its config.json."""
-    n, bs = len(committed), cfg["block_size"]
-    nh, nkv, Dh, theta = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rope_theta"]
+    n = len(committed)
+    bs = cfg.get("block_size") or cfg["dflash_config"]["block_size"]
+    nh, nkv, Dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     ids = cfg["dflash_config"]["target_layer_ids"]
     hs = hf_target(torch.tensor([committed]), output_hidden_states=True).hidden_states
-    taps = torch.cat([hs[i + 1][0] for i in ids], -1)  # [n, n_taps*H]: OUTPUTS of the tapped layers
+    taps = torch.cat([hs[i + 1][0] for i in ids], -1)  # [n, n_taps*H]: hidden_states[id + 1]
     ctx = rms(taps @ W["fc.weight"].T, W["hidden_norm.weight"])  # [n, H]
     x = hf_target.model.embed_tokens(torch.tensor([anchor] + [cfg["dflash_config"]["mask_token_id"]] * (bs - 1)))
     pos_blk = torch.arange(n, n + bs)
     pos_all = torch.arange(n + bs)
+    cos, sin = hf_rotary(cfg, pos_all)  # [n + bs, Dh]
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
         h = rms(x, W[p + "input_layernorm.weight"])  # [bs, H]
         q = rope(rms((h @ W[p + "self_attn.q_proj.weight"].T).view(bs, nh, Dh), W[p + "self_attn.q_norm.weight"]),
-                 pos_blk, theta)
+                 cos[n:], sin[n:])
         kv_in = torch.cat([ctx, h])  # [n + bs, H]: context features are NOT input-normed
         k = rope(rms((kv_in @ W[p + "self_attn.k_proj.weight"].T).view(-1, nkv, Dh), W[p + "self_attn.k_norm.weight"]),
-                 pos_all, theta)
+                 cos, sin)
         v = (kv_in @ W[p + "self_attn.v_proj.weight"].T).view(-1, nkv, Dh)
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(Dh), -1)  # no mask at all
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(Dh)
+        att = torch.softmax(scores.masked_fill(~visible(cfg, i, pos_blk, pos_all), -math.inf), -1)
         o = torch.einsum("hqk,khd->qhd", att, v).reshape(bs, nh * Dh)
         x = x + o @ W[p + "self_attn.o_proj.weight"].T
         h = rms(x, W[p + "post_attention_layernorm.weight"])
@@ -105,22 +134,10 @@ def append(target, drafter, rows_tokens, starts, max_seq=96):
     drafter.add_context(taps, row, pos)
 
 
-# ---- tests ----------------------------------------------------------------------------------------
-
 @torch.no_grad()
-def test_target_taps_are_the_outputs_of_the_tapped_layers(pair):
-    hf, _, _, target, drafter, _ = pair
-    prompt = [3, 17, 42, 8, 91, 0, 66]
-    target.setup_cache(1, 32)
-    layout, last = prefill_layout([0], [len(prompt)], "cpu")
-    _, taps = target(torch.tensor(prompt), layout, logits_idx=last, taps=drafter.taps)
-    hs = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
-    torch.testing.assert_close(taps, torch.cat([hs[i + 1][0] for i in drafter.taps], -1), atol=1e-5, rtol=1e-5)
-
-
-@torch.no_grad()
-def test_drafter_matches_the_uncached_reference_for_a_batch_of_different_context_lengths(pair):
-    hf, W, cfg, target, drafter, _ = pair
+def assert_matches_reference(hf, W, cfg, target, drafter):
+    """The drafter equals reference_draft for 4 requests of different context lengths in one batch,
+    then again after a second round of committed tokens of different counts per row."""
     gen = torch.Generator().manual_seed(0)
     lengths = [1, 6, 13, 29]
     prompts = [torch.randint(0, 96, (L,), generator=gen).tolist() for L in lengths]
@@ -143,6 +160,77 @@ def test_drafter_matches_the_uncached_reference_for_a_batch_of_different_context
     for i in range(4):
         torch.testing.assert_close(out2[i], reference_draft(W, cfg, hf, committed[i], anchors2[i]),
                                    atol=1e-5, rtol=1e-5)
+
+
+def drafter_dir(root, hf, **kw):
+    """A drafter for the tiny target `hf` in root / "d": (its tensors, its config.json)."""
+    W = make_drafter(root / "d", hf.config, mask_token_id=MASK, seed=1, **kw)
+    return W, json.loads((root / "d" / "config.json").read_text())
+
+
+# ---- tests ----------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_target_taps_are_transformers_hidden_states_id_plus_1_the_last_layer_after_the_final_norm(pair):
+    """z-lab's extract_context_feature takes hidden_states[id + 1]: the output of layer id, but for
+    the last layer transformers returns the state after the final norm."""
+    hf, _, _, target, _, _ = pair
+    prompt = [3, 17, 42, 8, 91, 0, 66]
+    L = target.cfg.num_layers
+    target.setup_cache(1, 32)
+    layout, last = prefill_layout([0], [len(prompt)], "cpu")
+    logits, taps = target(torch.tensor(prompt), layout, logits_idx=last, taps=tuple(range(L)))
+    ref = hf(torch.tensor([prompt]), output_hidden_states=True)
+    for i, tap in enumerate(taps.split(target.cfg.hidden_size, dim=-1)):
+        assert (tap - ref.hidden_states[i + 1][0]).abs().max().item() <= 1e-5, f"tap {i}"
+    assert (logits - ref.logits[0, last]).abs().max().item() <= 1e-4  # the logits path is unchanged
+
+
+def test_drafter_matches_the_uncached_reference_for_a_batch_of_different_context_lengths(pair):
+    hf, W, cfg, target, drafter, _ = pair
+    assert_matches_reference(hf, W, cfg, target, drafter)
+
+
+def test_a_drafter_tapping_the_last_target_layer_matches_the_reference(tmp_path, pair):
+    hf, target = pair[0], pair[3]
+    W, cfg = drafter_dir(tmp_path, hf, target_layer_ids=[1, target.cfg.num_layers - 1])
+    assert_matches_reference(hf, W, cfg, target, load_drafter(tmp_path / "d", target))
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("rope", [YARN, {**YARN, "attention_factor": 1.2, "beta_fast": 16}],
+                         ids=["yarn", "yarn_attention_factor"])
+def test_a_yarn_drafter_has_transformers_rope_and_matches_the_reference(tmp_path, pair, rope):
+    """The drafter has a rope of its own (its config is a Qwen3 config): YaRN frequencies and the
+    attention scaling of cos and sin must be transformers' for that config, as z-lab's drafter uses."""
+    hf, target = pair[0], pair[3]
+    W, cfg = drafter_dir(tmp_path, hf, rope_scaling=rope)
+    drafter = load_drafter(tmp_path / "d", target)
+    assert drafter.rope_scale != 1.0
+    pos = torch.arange(300)
+    cos, sin = rope_cos_sin(drafter.inv_freq, pos, torch.float32, drafter.rope_scale)
+    ref_cos, ref_sin = hf_rotary(cfg, pos)
+    assert (cos - ref_cos).abs().max().item() <= 1e-6 and (sin - ref_sin).abs().max().item() <= 1e-6
+    assert_matches_reference(hf, W, cfg, target, drafter)
+
+
+@pytest.mark.parametrize("over, causal", [
+    # z-lab: a sliding layer is causal unless is_causal says otherwise
+    ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True,
+      "sliding_window": 4}, [0]),
+    ({"layer_types": ["sliding_attention"] * 2, "use_sliding_window": True, "sliding_window": 5,
+      "is_causal": False}, []),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, [0]),  # no use_sliding_window: no window
+    ({"is_causal": True}, [0, 1]),
+], ids=["causal_window_on_layer_0", "bidirectional_windows", "sliding_without_window", "is_causal"])
+def test_sliding_and_causal_draft_layers_match_the_reference(tmp_path, pair, over, causal):
+    hf, target = pair[0], pair[3]
+    W, cfg = drafter_dir(tmp_path, hf, **over)
+    drafter = load_drafter(tmp_path / "d", target)
+    assert drafter.cfg.causal_layers == causal
+    assert_matches_reference(hf, W, cfg, target, drafter)
 
 
 def test_a_z_lab_layout_directory_loads_with_its_keys_and_config(pair):
@@ -212,3 +300,27 @@ def test_a_drafter_that_does_not_fit_the_target_is_a_clear_config_error(tmp_path
     with pytest.raises(ConfigError, match=message) as err:
         load_drafter(tmp_path / "d", target)
     assert str(tmp_path / "d") in str(err.value)  # the message names the directory
+
+
+@pytest.mark.parametrize("field, value", [
+    ("selector_rank", 256),  # DFlash2: candidate selector and convolutions
+    ("conv_kernel_size", 2),
+    ("final_logit_softcapping", 20.0),
+    ("output_multiplier", 0.2),
+    ("input_embedding_scale", 2.0),
+])
+def test_a_dflash_config_field_minidcut_does_not_implement_is_a_config_error_naming_it(tmp_path, pair, field,
+                                                                                       value):
+    make_drafter(tmp_path / "d", pair[0].config, mask_token_id=MASK)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg["dflash_config"][field] = value
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=f"dflash_config.{field}") as err:
+        load_drafter_config(tmp_path / "d")
+    assert str(tmp_path / "d") in str(err.value)
+
+
+def test_the_drafter_layers_refuse_what_the_target_layers_refuse(tmp_path, pair):
+    make_drafter(tmp_path / "d", pair[0].config, mask_token_id=MASK, hidden_act="gelu")
+    with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
+        load_drafter_config(tmp_path / "d")

@@ -108,12 +108,12 @@ def test_config_missing_a_required_field_names_the_field(llama, tmp_path):
 @pytest.mark.parametrize("form", ["rope_parameters", "rope_scaling"])
 def test_unsupported_rope_type_is_named_and_the_supported_ones_listed(llama, tmp_path, form):
     path = copy_model(llama, tmp_path / "m")
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    dynamic = {"rope_type": "dynamic", "factor": 4.0}
     if form == "rope_parameters":
-        edit_config(path, rope_parameters={**yarn, "rope_theta": 10000.0})
+        edit_config(path, rope_parameters={**dynamic, "rope_theta": 10000.0})
     else:
-        edit_config(path, rope_parameters=None, rope_theta=10000.0, rope_scaling=yarn)
-    with pytest.raises(ConfigError, match="'yarn'") as e:
+        edit_config(path, rope_parameters=None, rope_theta=10000.0, rope_scaling=dynamic)
+    with pytest.raises(ConfigError, match="'dynamic'") as e:
         load_target(path)
     assert all(t in str(e.value) for t in SUPPORTED_ROPE_TYPES)
 

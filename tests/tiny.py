@@ -53,9 +53,10 @@ def make_model(path: Path, family: str, seed: int = 0, scale: float = 3.0, **ove
 
 
 def make_drafter(path: Path, target_cfg, n_layers: int = 2, block_size: int = 16, mask_token_id: int = 1,
-                 seed: int = 0, target_layer_ids=None, scale: float = 1.0):
+                 seed: int = 0, target_layer_ids=None, scale: float = 1.0, **config):
     """A z-lab-layout DFlash drafter directory with random weights, sized to `target_cfg`
-    (a transformers config). Returns the tensors it saved."""
+    (a transformers config); `config` adds or replaces config.json fields (rope, sliding window, ...).
+    Returns the tensors it saved."""
     from safetensors.torch import save_file
     torch.manual_seed(seed)
     H = target_cfg.hidden_size
@@ -82,7 +83,7 @@ def make_drafter(path: Path, target_cfg, n_layers: int = 2, block_size: int = 16
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
            "block_size": block_size, "num_target_layers": target_cfg.num_hidden_layers,
            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps},
-           "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu"}
+           "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", **config}
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return t
 
