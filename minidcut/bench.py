@@ -50,6 +50,9 @@ def parse_args(argv=None):
                    "(batch sizes it lacks are measured first)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--drafter-dtype", default=None,
+                   help="the drafter's dtype (default: --dtype); bfloat16 drafts several times faster on a "
+                        "CPU with bf16 instructions, and the output stays the target's")
     p.add_argument("--threads", type=int, default=None,
                    help=f"CPU threads (default: all cores but one, here {runtime.default_threads()})")
     p.add_argument("--no-compile", action="store_true", help="run eager (no torch.compile graphs)")
@@ -228,7 +231,7 @@ def check_args(args) -> tuple[list[str], list[int]]:
 def run(args, console: Console) -> int:
     specs, batch_sizes = check_args(args)
     runtime.setup(args.threads)
-    target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device)
+    target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype)
     tokenizer = load_tokenizer(args.target)
     prompts, _ = cli.read_prompts(args.prompts, None, tokenizer, args.chat, args.target)
     table = None
@@ -252,6 +255,7 @@ def run(args, console: Console) -> int:
         console.print(f"crossover: full vs AR = {cross['full_vs_ar']:.2f} at B = {cross['batch_size']}"
                       + (f"; dcut vs the better of the two: {both:.2f}x" if both else ""))
     result = {"target": args.target, "drafter": args.drafter, "device": str(device), "dtype": str(dtype),
+              "drafter_dtype": str(drafter.fc.weight.dtype),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
               "compiled": not args.no_compile, "cost_table": table.to_json() if table else None,
               "summary": summary, "records": records}

@@ -269,7 +269,8 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """PAPER.md section 2: [L // 2] for one draft layer, else round(1 + i * (L - 4) / (n - 1))."""
+    """z-lab's default taps (docs/method.md, "DFlash drafting"): [L // 2] for one draft layer, else
+    round(1 + i * (L - 4) / (n - 1))."""
     L, n = num_target_layers, num_draft_layers
     if n == 1:
         return [L // 2]

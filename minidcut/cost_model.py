@@ -84,13 +84,15 @@ class CostTable:
                                  "delete it and run tools/profile.py") from None
 
 
-def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: bool) -> dict:
+def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: bool,
+                drafter_dtype: torch.dtype | None = None) -> dict:
     """What a table's seconds depend on: a table measured under another fingerprint is not used."""
     def config_hash(d) -> str:
         cfg = Path(d) / "config.json"
         return hashlib.sha1(cfg.read_bytes()).hexdigest()[:12] if cfg.is_file() else "none"
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "dtype": str(dtype).replace("torch.", ""), "compiled": bool(compiled),
+            "dtype": str(dtype).replace("torch.", ""),
+            "drafter_dtype": str(drafter_dtype or dtype).replace("torch.", ""), "compiled": bool(compiled),
             "target_config": config_hash(target_dir), "drafter_config": config_hash(drafter_dir)}
 
 
@@ -101,8 +103,10 @@ def device_name(device) -> str:
     return f"cpu{torch.get_num_threads()}t"
 
 
-def table_path(device, target_dir, drafter_dir, dtype: torch.dtype, table_dir: Path = TABLE_DIR) -> Path:
-    """The cost table's file: named by device, target, drafter and dtype."""
+def table_path(device, target_dir, drafter_dir, dtype: torch.dtype, drafter_dtype: torch.dtype | None = None,
+               table_dir: Path = TABLE_DIR) -> Path:
+    """The cost table's file: named by device (and threads), target, drafter and dtype (and the
+    drafter's, when it differs)."""
     def slug(x) -> str:
         return re.sub(r"[^A-Za-z0-9._-]+", "-", str(x)).strip("-")
 
@@ -113,6 +117,6 @@ def table_path(device, target_dir, drafter_dir, dtype: torch.dtype, table_dir: P
         cfg = p / "config.json"
         key = str(p).encode() + (cfg.read_bytes() if cfg.is_file() else b"")
         return f"{slug(p.name)}-{hashlib.sha1(key).hexdigest()[:6]}"
-    name = "__".join([slug(device_name(device)), model(target_dir), model(drafter_dir),
-                      slug(str(dtype).replace("torch.", ""))])
+    dtypes = [str(d).replace("torch.", "") for d in dict.fromkeys([dtype, drafter_dtype or dtype])]
+    name = "__".join([slug(device_name(device)), model(target_dir), model(drafter_dir), slug("-".join(dtypes))])
     return table_dir / f"{name}.json"

@@ -2,7 +2,8 @@
 
 One forward fills a whole block: slot 0 holds the anchor (the last committed token), slots 1..D hold
 mask_token_id, and each slot's argmax is a draft token. The drafter has no embedding and no lm_head: it
-borrows the target's. Its context is the target's hidden states at the tapped layers (transformers'
+borrows the target's (borrow(); in the drafter's dtype, which may differ from the target's: drafts only
+propose, the target decides, so a bf16 drafter next to an fp32 target changes speed, not the output). Its context is the target's hidden states at the tapped layers (transformers'
 hidden_states[id + 1] for each target_layer_ids entry id: the output of layer id, after the final norm
 for the last layer), fused by fc + hidden_norm and projected by every draft layer's own k_proj / v_proj
 into a context-only KV cache. Queries come from the block only; attention is bidirectional over
@@ -17,6 +18,7 @@ K/V up from them (sync_context) instead of missing the context of the skipped st
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError, DrafterConfig, ModelConfig
@@ -77,6 +79,15 @@ class DFlashDrafter(nn.Module):
         self.rope_scale = rope_attention_scaling(c.rope_scaling)
         self.attention = [(i in cfg.causal_layers, c.window(i)) for i in range(c.num_layers)]  # per layer
         self.caches = nn.ModuleList()
+        self.embed = self.head = None  # the target's embedding and lm_head weights (borrow)
+
+    def borrow(self, target: nn.Module) -> None:
+        """Take the target's token embedding and lm_head weights in the drafter's dtype: the target's own
+        tensors when the dtypes agree, else copies made once (tied weights: one copy)."""
+        dt = self.fc.weight.dtype
+        emb, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+        self.embed = emb.to(dt)
+        self.head = self.embed if head.data_ptr() == emb.data_ptr() else head.to(dt)
 
     def setup_cache(self, rows: int, max_seq: int) -> None:
         """Context K/V per draft layer [rows, kv_heads, max_seq, head_dim] and the context features
@@ -94,7 +105,7 @@ class DFlashDrafter(nn.Module):
         taps [T, n_taps * H]; row, pos [T]. Tokens that later turn out rejected leave entries past the
         committed length: never read (the draft mask stops at the anchor) and overwritten when that
         position is committed."""
-        feats = self.hidden_norm(self.fc(taps))  # [T, H]
+        feats = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))  # [T, H]
         self.feats[row, pos] = feats
         if kv:
             self._write_kv(feats, row, pos)
@@ -111,7 +122,8 @@ class DFlashDrafter(nn.Module):
             cache.v[row, :, pos] = v
 
     def forward(self, target: nn.Module, anchor: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
-        """Draft one block per row of the cache [0, b). anchor, anchor_pos [b] -> logits [b, D, V].
+        """Draft one block per row of the cache [0, b). anchor, anchor_pos [b] -> logits [b, D, V], with
+        the target's embedding and lm_head (as borrowed, or the target's own modules).
 
         The block's own K/V go into the cache at anchor_pos .. anchor_pos + D: positions that the
         next verification overwrites with real context, so no separate block cache is needed."""
@@ -124,9 +136,11 @@ class DFlashDrafter(nn.Module):
         slot = torch.arange(b * Bs, device=anchor.device)
         layouts = {kind: Layout(row, pos, slot, b, Bs, block_mask(anchor_pos, Bs, S, *kind))
                    for kind in dict.fromkeys(self.attention)}
-        x = target.model.embed_tokens(block.flatten())  # [b*Bs, H]
+        embed, head = (self.embed, self.head) if self.embed is not None else (
+            target.model.embed_tokens.weight, target.lm_head.weight)
+        x = F.embedding(block.flatten(), embed)  # [b*Bs, H]
         cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype, self.rope_scale)
         for layer, cache, kind in zip(self.layers, self.caches, self.attention):
             x = layer(x, cos, sin, (cache.k, cache.v), layouts[kind])
         h = self.norm(x).view(b, Bs, -1)[:, 1:].reshape(b * (Bs - 1), -1)  # [b*D, H], contiguous:
-        return target.lm_head(h).view(b, Bs - 1, -1)  # [b, D, V]  (a 3-D strided input makes a slow bmm)
+        return F.linear(h, head).view(b, Bs - 1, -1)  # [b, D, V]  (a 3-D strided input makes a slow bmm)

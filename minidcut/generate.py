@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--drafter-dtype", default=None,
+                   help="the drafter's dtype (default: --dtype); bfloat16 drafts several times faster on a "
+                        "CPU with bf16 instructions, and the output stays the target's")
     p.add_argument("--threads", type=int, default=None,
                    help=f"CPU threads (default: all cores but one, here {runtime.default_threads()})")
     comp = p.add_mutually_exclusive_group()
@@ -163,7 +166,8 @@ def run(args, console: Console) -> int:
     max_seq = cli.max_seq(prompts, args.max_new_tokens, block)
     t0 = time.perf_counter()
     with cli.status(console, f"loading {args.target}", args.quiet) as status:
-        target, drafter, device, dtype = load_pair(args.target, drafter_dir, args.dtype, args.device)
+        target, drafter, device, dtype = load_pair(args.target, drafter_dir, args.dtype, args.device,
+                                                   args.drafter_dtype)
         policy = build_policy(
             f"static:{args.rho}" if args.policy == "static" else args.policy, target=target, drafter=drafter,
             target_dir=args.target, drafter_dir=drafter_dir, batch_size=args.batch_size,

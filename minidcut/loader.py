@@ -133,7 +133,8 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device="cp
 
 def load_drafter(path: str | Path, target: Transformer, dtype: torch.dtype = torch.float32,
                  device="cpu") -> DFlashDrafter:
-    """A DFlash drafter directory (z-lab layout) -> DFlashDrafter, checked against its target."""
+    """A DFlash drafter directory (z-lab layout) -> DFlashDrafter in `dtype` (which may differ from the
+    target's), checked against its target and borrowing its embedding and lm_head."""
     p = model_dir(path)
     cfg = load_drafter_config(p)
     check_pair(cfg, target.cfg, str(p))
@@ -142,4 +143,5 @@ def load_drafter(path: str | Path, target: Transformer, dtype: torch.dtype = tor
     load_into(drafter, read_safetensors(p), dtype, device, str(p))
     drafter.inv_freq = rope_inv_freq(cfg.layers.head_dim, cfg.layers.rope_theta,
                                      cfg.layers.rope_scaling).to(device)
+    drafter.borrow(target)
     return drafter.eval().requires_grad_(False)

@@ -61,12 +61,14 @@ def test_table_path_names_device_models_and_dtype_and_changes_with_a_model_confi
     for name in ("target", "drafter"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text('{"hidden_size": 64}')
-    path = table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, tmp_path)
+    path = table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path)
     assert path.parent == tmp_path and path.name.startswith("cpu") and "__target-" in path.name
     assert "__drafter-" in path.name and path.name.endswith("__float32.json")
-    assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, tmp_path) == path
+    mixed = table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, torch.bfloat16, tmp_path)
+    assert mixed.name.endswith("__float32-bfloat16.json")
+    assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path) == path
     (tmp_path / "drafter" / "config.json").write_text('{"hidden_size": 64, "block_size": 8}')  # retrained
-    assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, tmp_path) != path
+    assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path) != path
 
 
 @pytest.fixture

@@ -359,3 +359,20 @@ def test_sampling_with_a_seed_gives_ar_sampling_text_under_every_policy_and_batc
             outputs, stats = sampled(target, drafter, POLICIES[name](), B, prompts, seed=3)
             assert outputs == ref, (name, B)
             assert stats.tau > 1.2  # drafts were accepted: the speculative path ran
+
+
+def test_a_bf16_drafter_next_to_an_fp32_target_changes_speed_not_output(agreeing_pair, agree_refs, tmp_path):
+    """The drafter runs in its own dtype with a bf16 copy of the target's embedding and lm_head: its
+    drafts and confidences shift a little, the committed text does not."""
+    from minidcut.drafter import DFlashDrafter
+    target, drafter = agreeing_pair
+    half = DFlashDrafter(drafter.cfg).to(torch.bfloat16)
+    half.load_state_dict({k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items()})
+    half.inv_freq = drafter.inv_freq
+    half.borrow(target)
+    assert half.head.dtype == torch.bfloat16 and target.lm_head.weight.dtype == torch.float32
+    assert half.head.data_ptr() == half.embed.data_ptr()  # tied in the target: one copy
+    for B in (1, 3):
+        outputs, stats, _ = run(target, half.eval(), POLICIES["dcut"](), B, agree_prompts(2 * B + 1), AGREE_MAX_NEW)
+        assert outputs == agree_refs[B]
+        assert stats.tau > 1.5

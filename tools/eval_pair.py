@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from minidcut import Engine, Policy, load_pair, load_tokenizer  # noqa: E402
+from minidcut import Engine, Policy, cli, load_pair, load_tokenizer, runtime  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -44,10 +44,9 @@ def spearman(a, b) -> float:
 def evaluate(target, drafter, prompts, batch_size: int, max_new_tokens: int, compile: bool) -> dict:
     max_seq = max(map(len, prompts)) + max_new_tokens + drafter.block_size + 1
     engine = Engine(target, drafter, Policy.full(), batch_size=batch_size, max_seq=max_seq, compile=compile)
-    trace = []
-    _, stats = engine.generate(prompts, max_new_tokens, trace=trace)
-    s = torch.cat([t[0] for t in trace]).numpy()  # [request-steps, D] prefix scores
-    acc = torch.cat([t[2] for t in trace]).numpy()  # [request-steps] accepted drafts
+    _, stats = engine.generate(prompts, max_new_tokens, trace=True)
+    s = torch.cat([t[0] for t in stats.trace]).numpy()  # [request-steps, D] prefix scores
+    acc = torch.cat([t[2] for t in stats.trace]).numpy()  # [request-steps] accepted drafts
     D = s.shape[1]
     return {"tau": stats.tau, "request_steps": int(len(acc)), "block_size": drafter.block_size,
             "p_accept_depth": [float((acc >= k).mean()) for k in range(1, D + 1)],
@@ -64,18 +63,18 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default=str(MODELS / "prompts_heldout.jsonl"))
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="put each prompt under the tokenizer's chat template")
+    p.add_argument("--drafter-dtype", default=None, help="the drafter's dtype (default: the target's)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", default=None, help="JSON results")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, drafter, _, _ = load_pair(args.target, args.drafter)
+    runtime.setup(args.threads)
+    target, drafter, _, _ = load_pair(args.target, args.drafter, drafter_dtype=args.drafter_dtype)
     tok = load_tokenizer(args.target)
-    lines = [json.loads(x) for x in Path(args.prompts).read_text().splitlines() if x.strip()]
-    prompts = [x["input_ids"] if "input_ids" in x else tok.encode(x["prompt"], add_special_tokens=False)
-               for x in lines]
+    prompts, _ = cli.read_prompts(args.prompts, None, tok, args.chat, args.target)
     res = evaluate(target, drafter, prompts, args.batch_size, args.max_new_tokens, args.compile)
+    res["chat"], res["drafter_dtype"] = args.chat, str(drafter.fc.weight.dtype)
     Console().print_json(json.dumps(res))
     if args.output:
         Path(args.output).write_text(json.dumps(res, indent=1) + "\n")
