@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import cli, dcut, runtime
-from .api import build_policy, cost_table, load_pair, load_tokenizer, parse_policy, resolve_device
+from .api import build_policy, cost_table, load_pair, load_tokenizer, parse_policy
 from .engine import Engine, batch_buckets
 from .policy import DEFAULT_GRID
 
@@ -48,14 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="timed passes per policy (the median is kept)")
     p.add_argument("--cost-table", default=None, help="default: this pair's table under compile_cache/ "
                    "(batch sizes it lacks are measured first)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    p.add_argument("--drafter-dtype", default=None,
-                   help="the drafter's dtype (default: --dtype); bfloat16 drafts several times faster on a "
-                        "CPU with bf16 instructions, and the output stays the target's")
-    p.add_argument("--threads", type=int, default=None,
-                   help=f"CPU threads (default: all cores but one, here {runtime.default_threads()})")
-    p.add_argument("--no-compile", action="store_true", help="run eager (no torch.compile graphs)")
+    cli.add_runtime_args(p)
     p.add_argument("--output", default=None, help="JSON with every figure")
     p.add_argument("--plot", default=None, help="PNG: speedup over AR vs batch size (needs matplotlib)")
     return p.parse_args(argv)
@@ -89,7 +82,7 @@ def bench_batch(B, specs, table, target, drafter, prompts, args, console) -> lis
     for spec in specs:
         policy = build_policy(spec, table=table)
         engines[spec] = Engine(target, drafter if policy.needs_drafter else None, policy, batch_size=B,
-                               max_seq=max_seq, eos_ids=[], compile=not args.no_compile)
+                               max_seq=max_seq, eos_ids=[], compile=args.compile)
         t0 = time.perf_counter()  # warm-up: compiles every graph this policy can reach
         engines[spec].warmup()
         engines[spec].generate(ids[:B], min(args.max_new_tokens, 2 * drafter.block_size))
@@ -119,7 +112,7 @@ def bench_batch(B, specs, table, target, drafter, prompts, args, console) -> lis
     for r in out:
         r["speedup_vs_ar"] = r["tokens_per_second"] / ar if ar else None
     if any(s.startswith("dcut") for s in specs):
-        sel = selector_seconds(B, drafter.block_size - 1, DEFAULT_GRID, drafter.fc.weight.device, not args.no_compile)
+        sel = selector_seconds(B, drafter.block_size - 1, DEFAULT_GRID, drafter.fc.weight.device, args.compile)
         for r in out:
             if r["policy"].startswith("dcut"):
                 step = sum(r["seconds"].get(k, 0) for k in ("draft", "verify", "bookkeeping")) / max(r["steps"], 1)
@@ -216,8 +209,8 @@ def check_args(args) -> tuple[list[str], list[int]]:
     for spec in specs:
         parse_policy(spec)
     batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
-    cli.check_positive(args, "max_new_tokens", "repeats", "num_prompts", "threads")
-    resolve_device(args.device)
+    cli.check_positive(args, "max_new_tokens", "repeats", "num_prompts")
+    cli.check_runtime_args(args)
     cli.check_writable(args.output, "--output")
     cli.check_writable(args.plot, "--plot")
     if args.plot:
@@ -240,7 +233,7 @@ def run(args, console: Console) -> int:
         context = max(len(p) for p in prompts) + args.max_new_tokens // 2
         with cli.status(console, "cost table") as status:
             table = cost_table(target, drafter, args.target, args.drafter, buckets, DEFAULT_GRID, args.cost_table,
-                               not args.no_compile, context, log=console.print,
+                               args.compile, context, log=console.print,
                                on_step=lambda B, rho: status.update(f"measuring the cost table: B={B} rho={rho:g}"))
     records = []
     for B in batch_sizes:
@@ -257,7 +250,7 @@ def run(args, console: Console) -> int:
     result = {"target": args.target, "drafter": args.drafter, "device": str(device), "dtype": str(dtype),
               "drafter_dtype": str(drafter.fc.weight.dtype),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
-              "compiled": not args.no_compile, "cost_table": table.to_json() if table else None,
+              "compiled": args.compile, "cost_table": table.to_json() if table else None,
               "summary": summary, "records": records}
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")

@@ -4,6 +4,7 @@ Library modules never print; this one and the programs that use it do."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from . import runtime
 from .config import ConfigError, load_drafter_config, load_model_config
 from .cost_model import CostTableError
 from .loader import CheckpointError
@@ -26,6 +28,32 @@ class UserError(Exception):
 
 
 USER_ERRORS = (UserError, ConfigError, CheckpointError, CostTableError, ValueError)
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """--dtype, --drafter-dtype, --device, --threads, --compile / --no-compile: shared by every program."""
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--drafter-dtype", default=None,
+                   help="the drafter's dtype (default: --dtype); bfloat16 drafts several times faster on a "
+                        "CPU with bf16 instructions, and the output stays the target's")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"CPU threads (default: all cores but one, here {runtime.default_threads()})")
+    comp = p.add_mutually_exclusive_group()
+    p.set_defaults(compile=None)
+    comp.add_argument("--compile", dest="compile", action="store_true", default=argparse.SUPPRESS,
+                      help="torch.compile the decode graphs (the default on CUDA)")
+    comp.add_argument("--no-compile", dest="compile", action="store_false", default=argparse.SUPPRESS,
+                      help="run eagerly (the default on a CPU: compiling takes ~30-90 s per graph there)")
+
+
+def check_runtime_args(args) -> None:
+    """Check the runtime flags and settle --compile's default for the device (before any model loads)."""
+    from .api import resolve_device
+    check_positive(args, "threads")
+    device = resolve_device(args.device)
+    if args.compile is None:
+        args.compile = runtime.default_compile(device)
 
 
 def run_reporting_errors(run_fn, args, console: Console) -> int:

@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 
 from . import cli, runtime
-from .api import build_policy, load_pair, load_tokenizer, parse_rhos, resolve_device
+from .api import build_policy, load_pair, load_tokenizer, parse_rhos
 from .engine import Engine
 
 BUILTIN_PROMPTS = [
@@ -65,19 +65,7 @@ def parse_args(argv=None):
                    help="sampling seed: request i's token at position p is drawn with the key (seed, i, p), "
                         "so every policy and batch size samples the same text")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    p.add_argument("--drafter-dtype", default=None,
-                   help="the drafter's dtype (default: --dtype); bfloat16 drafts several times faster on a "
-                        "CPU with bf16 instructions, and the output stays the target's")
-    p.add_argument("--threads", type=int, default=None,
-                   help=f"CPU threads (default: all cores but one, here {runtime.default_threads()})")
-    comp = p.add_mutually_exclusive_group()
-    p.set_defaults(compile=None)
-    comp.add_argument("--compile", dest="compile", action="store_true", default=argparse.SUPPRESS,
-                      help="torch.compile the decode graphs (the default on CUDA)")
-    comp.add_argument("--no-compile", dest="compile", action="store_false", default=argparse.SUPPRESS,
-                      help="run eagerly (the default on a CPU: compiling takes ~30-90 s per graph there)")
+    cli.add_runtime_args(p)
     p.add_argument("--output", default=None,
                    help="JSONL, one line per request with its index, written as requests finish and "
                         "sorted into input order at the end")
@@ -88,7 +76,8 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     """Every check that needs no model: one-line errors before anything loads."""
-    cli.check_positive(args, "batch_size", "max_new_tokens", "threads")
+    cli.check_positive(args, "batch_size", "max_new_tokens")
+    cli.check_runtime_args(args)
     if not Path(args.target).is_dir():
         raise cli.UserError(f"--target {args.target}: no such directory")
     if args.drafter is None and args.policy != "ar" and Path(args.target).resolve() == cli.DEFAULT_TARGET.resolve():
@@ -104,7 +93,6 @@ def check_args(args) -> None:
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise cli.UserError("--temperature must be >= 0 and --top-p in (0, 1]")
     parse_rhos(args.rhos)
-    resolve_device(args.device)
     cli.check_writable(args.output, "--output")
     cli.check_writable(args.stats, "--stats")
 
@@ -161,8 +149,6 @@ def run(args, console: Console) -> int:
                                       default=BUILTIN_PROMPTS)
     cli.check_prompts(prompts, args.max_new_tokens, vocab, positions, block, names)
     runtime.setup(args.threads)
-    if args.compile is None:
-        args.compile = runtime.default_compile(resolve_device(args.device))
     max_seq = cli.max_seq(prompts, args.max_new_tokens, block)
     t0 = time.perf_counter()
     with cli.status(console, f"loading {args.target}", args.quiet) as status:

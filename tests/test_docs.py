@@ -137,5 +137,5 @@ def test_selector_by_hand_example_runs(pair):
 def test_policies_side_by_side_example_runs(pair):
     target, drafter, prompts = pair
     out = run_example("policies_side_by_side.py", "--target", target, "--drafter", drafter, "--prompts",
-                      prompts, "--batch-sizes", "2", "--max-new-tokens", "8", "--no-compile")
+                      prompts, "--batch-sizes", "2", "--max-new-tokens", "8")
     assert "dcut" in out and "full" in out

@@ -1,13 +1,19 @@
-"""AR decoding throughput: minidcut's compiled decode step vs transformers' own `generate`, on the same
-random ~20M-parameter Llama, prompts, batch sizes and thread count.
+"""AR decoding throughput against the machine's limit and against transformers' own `generate`: same
+weights, prompts, batch sizes, dtype and thread count.
 
-    python tools/bench_ar.py --batch-sizes 1,8,32 --threads 1
+At batch size 1 a decode step reads every weight once (and the KV cache), so its floor is
+bytes read per step / memory bandwidth. The bandwidth is measured here as a STREAM-style copy of a
+buffer much larger than the caches ((read + written bytes) / seconds).
+
+    python tools/bench_ar.py --target models/smollm2-135m-instruct --batch-sizes 1,4 --threads 1
+    python tools/bench_ar.py --batch-sizes 1,8,32   # a random ~20M-parameter Llama
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -22,6 +28,7 @@ import transformers  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from minidcut import cli, runtime  # noqa: E402
 from minidcut.engine import Engine  # noqa: E402
 from minidcut.loader import load_target  # noqa: E402
 
@@ -32,58 +39,109 @@ CONFIG = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=6, num_attenti
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=None, help="model directory (default: a random Llama made here)")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (the median is kept)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="compile minidcut's decode graph")
     p.add_argument("--output", default=None, help="JSON results")
     return p.parse_args(argv)
 
 
+def copy_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a large fp32 copy, read and written bytes counted (best of `repeats`)."""
+    src = torch.ones(mbytes * 2 ** 20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
+
+
+def bytes_per_step(target, max_seq: int, batch: int) -> int:
+    """Bytes an AR step reads: every weight matrix once (an embedding tied to the lm_head counts once:
+    the head reads it whole, the lookup one row per token), norms, and each layer's static K/V cache
+    rows, which attention reads over all max_seq positions."""
+    weights = {p.data_ptr(): p.numel() * p.element_size() for p in target.parameters()}
+    c = target.cfg
+    kv = 2 * c.num_layers * batch * c.num_kv_heads * max_seq * c.head_dim * target.lm_head.weight.element_size()
+    return sum(weights.values()) + kv
+
+
+def timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 @torch.inference_mode()
-def main(argv=None):
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    console = Console()
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+def run(args, console: Console) -> int:
+    batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
+    cli.check_positive(args, "prompt_len", "max_new_tokens", "repeats", "threads")
+    runtime.setup(args.threads)
+    if args.target:
+        path = Path(args.target)
+    else:
+        torch.manual_seed(0)
+        path = Path(tempfile.mkdtemp())
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    target = load_target(path)
     n_params = sum(p.numel() for p in hf.parameters())
-    tmp = Path(tempfile.mkdtemp())
-    hf.save_pretrained(tmp)
-    target = load_target(tmp)
+    bandwidth = copy_bandwidth()
+    console.log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
     rows = []
-    for B in [int(b) for b in args.batch_sizes.split(",")]:
-        ids = torch.randint(1, CONFIG["vocab_size"], (B, args.prompt_len))
-        n_new = args.max_new_tokens
-        engine = Engine(target, batch_size=B, max_seq=args.prompt_len + n_new + 2, eos_ids=[], compile=True)
-        t0 = time.perf_counter()
-        engine.generate(ids.tolist(), n_new)  # warm-up: compiles this batch size's decode graph
-        compile_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ours, stats = engine.generate(ids.tolist(), n_new)
-        ours_s = time.perf_counter() - t0
-        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
-        t0 = time.perf_counter()
-        ref = hf.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
-        hf_s = time.perf_counter() - t0
-        same = ref[:, args.prompt_len:].tolist() == ours
+    for B in batch_sizes:
+        g = torch.Generator().manual_seed(B)
+        ids = torch.randint(1, target.cfg.vocab_size, (B, args.prompt_len), generator=g)
+        n_new, max_seq = args.max_new_tokens, args.prompt_len + args.max_new_tokens + 2
+        engine = Engine(target, batch_size=B, max_seq=max_seq, eos_ids=[], compile=args.compile)
+        engine.generate(ids.tolist(), n_new)  # warm-up (compiles the decode graph with --compile)
+        ours_s = timed(lambda: engine.generate(ids.tolist(), n_new), args.repeats)
+        ours, _ = engine.generate(ids.tolist(), n_new)
+        mask = torch.ones_like(ids)
+        hf.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        hf_s = timed(lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                                         do_sample=False, pad_token_id=0), args.repeats)
+        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                          pad_token_id=0)
+        step_bytes = bytes_per_step(target, max_seq, B)
+        limit = bandwidth / step_bytes * B  # tokens/s if a step only had to read its bytes
         rows.append({"batch_size": B, "minidcut_tok_s": B * n_new / ours_s, "transformers_tok_s": B * n_new / hf_s,
-                     "compile_seconds": compile_s, "identical_tokens": same})
+                     "bytes_per_step": step_bytes, "bandwidth_limit_tok_s": limit,
+                     "identical_tokens": ref[:, args.prompt_len:].tolist() == ours})
         console.log(rows[-1])
-    table = Table(title=f"AR decode, random Llama {n_params / 1e6:.1f}M params, fp32, "
-                        f"{torch.get_num_threads()} threads, prompt {args.prompt_len}, {args.max_new_tokens} new tokens")
-    for c in ("B", "minidcut tok/s", "transformers tok/s", "ratio", "same tokens", "compile s"):
+    table = Table(title=f"AR decode, {path.name} ({n_params / 1e6:.1f}M params), fp32, {torch.get_num_threads()} "
+                        f"threads, {'compiled' if args.compile else 'eager'}, prompt {args.prompt_len}, "
+                        f"{args.max_new_tokens} new tokens; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    for c in ("B", "minidcut tok/s", "transformers tok/s", "ratio", "MB read/step", "limit tok/s",
+              "of limit", "same tokens"):
         table.add_column(c, justify="right")
     for r in rows:
-        table.add_row(str(r["batch_size"]), f"{r['minidcut_tok_s']:.0f}", f"{r['transformers_tok_s']:.0f}",
-                      f"{r['minidcut_tok_s'] / r['transformers_tok_s']:.2f}x", str(r["identical_tokens"]),
-                      f"{r['compile_seconds']:.0f}")
+        table.add_row(str(r["batch_size"]), f"{r['minidcut_tok_s']:.1f}", f"{r['transformers_tok_s']:.1f}",
+                      f"{r['minidcut_tok_s'] / r['transformers_tok_s']:.2f}x", f"{r['bytes_per_step'] / 1e6:.0f}",
+                      f"{r['bandwidth_limit_tok_s']:.1f}", f"{r['minidcut_tok_s'] / r['bandwidth_limit_tok_s']:.0%}",
+                      str(r["identical_tokens"]))
     console.print(table)
     if args.output:
-        Path(args.output).write_text(json.dumps({"params": n_params, "threads": torch.get_num_threads(),
-                                                 "rows": rows}, indent=1) + "\n")
+        Path(args.output).write_text(json.dumps({"target": str(path), "params": n_params, "threads":
+                                                 torch.get_num_threads(), "compiled": args.compile,
+                                                 "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows},
+                                                indent=1) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli.run_reporting_errors(run, parse_args(argv), Console())
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # 
 from rich.table import Table  # noqa: E402
 
 from minidcut import cli, runtime  # noqa: E402
-from minidcut.api import load_pair, parse_rhos, resolve_device  # noqa: E402
+from minidcut.api import load_pair, parse_rhos  # noqa: E402
 from minidcut.cost_model import fingerprint, table_path  # noqa: E402
 from minidcut.profiler import profile  # noqa: E402
 
@@ -38,16 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--context-len", type=int, default=128, help="context tokens per request while timing")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per cell (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell first")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    p.add_argument("--drafter-dtype", default=None,
-                   help="the drafter's dtype (default: --dtype); bfloat16 drafts several times faster on a "
-                        "CPU with bf16 instructions, and the output stays the target's")
-    p.add_argument("--threads", type=int, default=None,
-                   help=f"CPU threads (default: all cores but one, here {runtime.default_threads()})")
-    p.add_argument("--no-compile", action="store_true",
-                   help="time eager steps (the default on a CPU; match how you will run)")
-    p.add_argument("--compile", action="store_true", help="time compiled steps (the default on CUDA)")
+    cli.add_runtime_args(p)
     p.add_argument("--out", default=None, help="output JSON (default: the table the dcut policy looks for)")
     return p.parse_args(argv)
 
@@ -67,11 +58,12 @@ def print_table(console: Console, table) -> None:
 
 def run(args, console: Console) -> int:
     batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
-    cli.check_positive(args, "context_len", "repeats", "threads")
+    cli.check_positive(args, "context_len", "repeats")
+    cli.check_runtime_args(args)
     if args.warmup < 0:
         raise cli.UserError(f"--warmup must be >= 0, got {args.warmup}")
     rhos = parse_rhos(args.rhos)
-    compile = args.compile or (not args.no_compile and runtime.default_compile(resolve_device(args.device)))
+    compile = args.compile
     cli.check_writable(args.out, "--out")
     runtime.setup(args.threads)
     target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype)
