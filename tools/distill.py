@@ -30,16 +30,9 @@ if __name__ == "__main__":  # run as a script: import from the repo root, not to
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from minidcut import Engine, load_target, load_tokenizer  # noqa: E402
+from minidcut import Engine, cli, load_target, load_tokenizer  # noqa: E402
 
 CHUNK = 256  # prompts per generate() call between saves
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """A user message under the tokenizer's chat template, ready for the assistant's answer."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def save(data: dict, path: Path) -> None:
@@ -72,21 +65,10 @@ def generate_chat(target, prompts: list[list[int]], max_new_tokens: int, batch_s
     return data
 
 
-def read_prompt_texts(path: Path) -> list[str]:
-    texts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            obj = json.loads(line)
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise SystemExit(f'error: {path}:{n}: expected {{"prompt": "..."}}')
-            texts.append(obj["prompt"])
-    return texts
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model directory (HF layout)")
-    p.add_argument("--prompts", required=True, help='JSONL of {"prompt": "..."} lines')
+    p.add_argument("--prompts", required=True, help='JSONL of {"prompt": "..."} (or {"messages": [...]}) lines')
     p.add_argument("--chat", action="store_true", help="put each prompt under the chat template")
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -99,10 +81,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     console = Console()
     tok = load_tokenizer(args.target)
-    texts = read_prompt_texts(Path(args.prompts))[: args.limit]
-    ids = [chat_ids(tok, t) if args.chat else tok.encode(t, add_special_tokens=False) for t in texts]
-    ids = [x for x in ids if len(x) <= args.max_prompt_tokens]
-    console.log(f"{len(ids)} prompts of {len(texts)} fit --max-prompt-tokens {args.max_prompt_tokens}")
+    every, _ = cli.read_prompts(args.prompts, None, tok, args.chat, args.target)
+    ids = [x for x in every[: args.limit] if len(x) <= args.max_prompt_tokens]
+    console.log(f"{len(ids)} prompts of {len(every[: args.limit])} fit --max-prompt-tokens {args.max_prompt_tokens}")
     target = load_target(args.target)
     meta = {"target": str(args.target), "prompts": str(args.prompts), "chat": args.chat,
             "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
