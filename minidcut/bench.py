@@ -33,19 +33,22 @@ DEFAULT_PROMPTS = cli.MODELS / "prompts_heldout.jsonl"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minidcut.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default=str(cli.DEFAULT_TARGET), help="target model directory (HF layout)")
-    p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="DFlash drafter directory")
-    p.add_argument("--batch-sizes", default="1,4,16,32,64", help="comma-separated batch sizes B")
+    p = argparse.ArgumentParser(prog="python -m minidcut.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=str(cli.DEFAULT_TARGET), help="target model directory (default: the demo's)")
+    p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="DFlash drafter directory (default: the demo's)")
+    p.add_argument("--batch-sizes", default="1,4,16,32,64", help="comma-separated batch sizes B (default: %(default)s)")
     p.add_argument("--policies", default="ar,full,static:0.25,static:0.5,static:0.75,dcut",
-                   help="comma-separated: ar, full, static:R, dcut, dcut:accepted, dcut:paper, dcut:nocal, dcut:noskip")
+                   help="comma-separated: ar, full, static:R, dcut, dcut:accepted, dcut:paper, dcut:nocal, "
+                        "dcut:noskip (default: %(default)s)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
-                   help='JSONL of {"prompt": ...}, {"input_ids": [...]} or {"messages": [...]} lines')
+                   help='JSONL of {"prompt": ...}, {"input_ids": [...]} or {"messages": [...]} lines '
+                        "(default: models/prompts_heldout.jsonl)")
     p.add_argument("--chat", action="store_true", help="put each prompt under the tokenizer's chat template")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 16))")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (EOS ignored)")
-    p.add_argument("--repeats", type=int, default=2, help="timed passes per policy (the median is kept)")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens generated per prompt, EOS ignored (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed passes per policy, interleaved; the median is kept (default: %(default)s)")
     p.add_argument("--cost-table", default=None, help="default: this pair's table under compile_cache/ "
                    "(batch sizes it lacks are measured first)")
     cli.add_runtime_args(p)

@@ -31,20 +31,20 @@ BUILTIN_PROMPTS = [
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minidcut.generate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default=str(cli.DEFAULT_TARGET), help="target model directory (HF layout)")
+    p = argparse.ArgumentParser(prog="python -m minidcut.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=str(cli.DEFAULT_TARGET),
+                   help="target model directory (HF layout; default: the shipped demo target)")
     p.add_argument("--drafter", default=None,
                    help="DFlash drafter directory (z-lab layout); default: the shipped demo drafter "
                         "when --target is the default; not used by --policy ar")
     p.add_argument("--policy", default="dcut", choices=["ar", "full", "static", "dcut"],
                    help="ar: no drafting; full: verify all D drafts; static: fixed --rho; dcut: rho "
-                        "chosen per step from the cost table")
+                        "chosen per step from the cost table (default: %(default)s)")
     p.add_argument("--rho", type=float, default=None, help="budget ratio of --policy static, in [0, 1]")
-    p.add_argument("--rhos", default="0,0.25,0.5,0.75,1", help="rho grid of --policy dcut")
+    p.add_argument("--rhos", default="0,0.25,0.5,0.75,1", help="rho grid of --policy dcut (default: %(default)s)")
     p.add_argument("--gain", default="committed", choices=["committed", "accepted"],
                    help="dcut gain: expected committed tokens (anchors counted) or accepted drafts only "
-                        "(the paper's reference code)")
+                        "(the paper's reference code); default: %(default)s")
     p.add_argument("--no-calibrate", action="store_true",
                    help="dcut: no online calibration (raw drafter confidences, the cost table as profiled)")
     p.add_argument("--no-skip-drafting", action="store_true", help="dcut: always draft")
@@ -53,17 +53,18 @@ def parse_args(argv=None):
                         "compile_cache/cost_tables/); batch sizes it lacks are measured and saved there")
     p.add_argument("--batch-size", type=int, default=4,
                    help="max concurrent requests B; each step runs at the smallest power-of-two bucket "
-                        "(or B) that holds the live requests")
-    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+                        "(or B) that holds the live requests (default: %(default)s)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="a prompt (repeatable; without --prompt and --prompts: four built-in code prompts)")
     p.add_argument("--prompts", default=None,
                    help='JSONL file: {"prompt": "..."}, {"input_ids": [...]} or {"messages": [...]} per line')
     p.add_argument("--chat", action="store_true", help="put each prompt under the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed: request i's token at position p is drawn with the key (seed, i, p), "
-                        "so every policy and batch size samples the same text")
+                        "so every policy and batch size samples the same text (default: %(default)s)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     cli.add_runtime_args(p)
     p.add_argument("--output", default=None,

@@ -29,15 +29,16 @@ from minidcut.profiler import profile  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model directory (HF layout)")
     p.add_argument("--drafter", required=True, help="DFlash drafter directory")
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated batch sizes to profile")
-    p.add_argument("--rhos", default="0,0.25,0.5,0.75,1", help="comma-separated rho grid (0: an AR step)")
-    p.add_argument("--context-len", type=int, default=128, help="context tokens per request while timing")
-    p.add_argument("--repeats", type=int, default=10, help="timed steps per cell (the median is kept)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell first")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64",
+                   help="comma-separated batch sizes to profile (default: %(default)s)")
+    p.add_argument("--rhos", default="0,0.25,0.5,0.75,1", help="rho grid, 0 an AR step (default: %(default)s)")
+    p.add_argument("--context-len", type=int, default=128,
+                   help="context tokens per request while timing (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=10, help="timed steps per cell, median kept (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell first (default: %(default)s)")
     cli.add_runtime_args(p)
     p.add_argument("--out", default=None, help="output JSON (default: the table the dcut policy looks for)")
     return p.parse_args(argv)

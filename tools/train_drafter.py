@@ -114,18 +114,29 @@ def distill(target, prompts: torch.Tensor, gen_len: int, console: Console) -> li
 
 
 @torch.no_grad()
-def target_features(target, seqs: list[torch.Tensor], taps: tuple[int, ...], console: Console | None = None):
+def target_features(target, seqs: list[torch.Tensor], taps: tuple[int, ...], console: Console | None = None,
+                    tokens_per_forward: int = 4096):
     """For each sequence [L_i]: tapped hidden states [L_i, n_taps*H] (bf16) and the target's greedy
-    next token at every position [L_i]."""
-    feats, labels = [], []
+    next token at every position [L_i]. Sequences of similar length share a forward (one prefill of
+    several rows, up to tokens_per_forward tokens)."""
+    feats, labels = [None] * len(seqs), [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    groups, group = [], []
+    for i in order:
+        if group and (len(group) + 1) * len(seqs[i]) > tokens_per_forward:
+            groups.append(group)
+            group = []
+        group.append(i)
+    groups.append(group)
     with progress(console or Console(quiet=True)) as bar:
         task = bar.add_task("target features", total=len(seqs), info="")
-        for s in seqs:
-            layout, _ = prefill_layout([0], [len(s)], s.device)
-            logits, tapped = target(s, layout, taps=taps)
-            feats.append(tapped.to(torch.bfloat16))
-            labels.append(logits.argmax(-1))
-            bar.advance(task)
+        for group in groups:
+            lens = [len(seqs[i]) for i in group]
+            layout, _ = prefill_layout(list(range(len(group))), lens, seqs[group[0]].device)
+            logits, tapped = target(torch.cat([seqs[i] for i in group]), layout, taps=taps)  # [T, V], [T, F]
+            for i, f, y in zip(group, tapped.split(lens), logits.argmax(-1).split(lens)):
+                feats[i], labels[i] = f.to(torch.bfloat16), y
+            bar.advance(task, len(group))
     return feats, labels
 
 
