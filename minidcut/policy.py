@@ -113,14 +113,14 @@ class Policy:
         return self.skipping[B]
 
     def draft_now(self, B: int) -> bool:
-        """Whether the next step at batch size B drafts."""
+        """Whether the next step at batch size B drafts (never at a B without measured costs)."""
         skip = self.skip(B)
-        return self.needs_drafter if skip is None else skip.draft_now()
+        return self.drafting_on(B) if skip is None else skip.draft_now()
 
     def drafting_on(self, B: int) -> bool:
         """Whether drafting is on at B (False while a skip controller keeps it off)."""
         skip = self.skip(B)
-        return self.needs_drafter if skip is None else skip.state == "drafting"
+        return self.needs_drafter and self.costs(B) is not None if skip is None else skip.state == "drafting"
 
     def observe(self, rec) -> None:
         """Learn from one step: calibration, then the skip decision of its batch size."""

@@ -118,10 +118,11 @@ def test_a_drafting_step_prices_rho_zero_as_a_drafting_step_when_drafting_can_be
     assert q.cost_vector(16, "cpu").tolist()[0] == pytest.approx(1.0)
 
 
-def test_a_batch_size_without_a_table_row_never_drafts():
-    p = Policy.dcut(steep_table(), RHOS)
+@pytest.mark.parametrize("skip_drafting", [True, False])
+def test_a_batch_size_without_a_table_row_never_drafts(skip_drafting):
+    p = Policy.dcut(steep_table(), RHOS, skip_drafting=skip_drafting)
     assert p.draft_now(16) and not p.draft_now(32)  # 32 was not measured: no costs to decide with
-    assert not p.skip(32).possible
+    assert p.drafting_on(16) and not p.drafting_on(32)
 
 
 # ---- calibration -----------------------------------------------------------------------------------
