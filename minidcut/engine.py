@@ -290,7 +290,9 @@ class Engine:
         out = self.graph("draft", b)(anchor, anchor_pos, torch.tensor(limit, device=dev), self.cost_vectors[b],
                                      torch.tensor(float(n_live), device=dev),
                                      torch.tensor(self.policy.calibration.gain_scale, device=dev))
-        return Draft(*out[:4], rho_index=int(out[4].item()))  # the one host sync of a step
+        rho_index = int(out[4].item())  # the one host sync of a step
+        # Copies: a CUDA graph's outputs are overwritten when the next graph (verify) replays.
+        return Draft(*(t.clone() for t in out[:4]), rho_index=rho_index)
 
     def verify(self, batch: Batch, b: int, draft: Draft | None, K: int):
         """Run the verify graph of bucket b with K kept drafts (an AR step without a draft) and move the
