@@ -111,14 +111,13 @@ class OutOfTime(Exception):
 # ---- arguments ------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python tools/gpu_check.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="gpu_report.json", help="the JSON report")
+    p = argparse.ArgumentParser(prog="python tools/gpu_check.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="gpu_report.json", help="the JSON report (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="batch sizes 1,16, shorter runs (at most ~6 minutes)")
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,4,16,32,64; --quick: 1,16)")
     p.add_argument("--layers", default=None,
                    help="target layers: a number, or 'full' for 36 (dense) and 48 (moe) (default: 8)")
-    p.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
+    p.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe (default: %(default)s)")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m cuda")
     p.add_argument("--budget-s", type=float, default=None,
                    help="deadline of the whole run in seconds (default: the mode's plan, 570 / 340)")
