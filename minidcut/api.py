@@ -16,6 +16,7 @@ import torch
 
 from .cost_model import CostTable, CostTableError, fingerprint, table_path
 from .engine import batch_buckets
+from .layers import PackedLinear
 from .loader import load_drafter, load_target, parse_dtype
 from .policy import DEFAULT_GRID, Policy
 
@@ -40,15 +41,21 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def load_pair(target_dir, drafter_dir=None, dtype: str | None = None, device: str | None = None,
-              drafter_dtype: str | None = None):
+              drafter_dtype: str | None = None, pack: bool | None = None):
     """(target, drafter or None, device, dtype). Default dtype: bfloat16 on CUDA, float32 on CPU; the
     drafter's default: the target's (bfloat16 makes a CPU with bf16 instructions draft several times
-    faster next to an fp32 target; the output is the target's either way)."""
+    faster next to an fp32 target; the output is the target's either way). pack (default: on a CPU):
+    linear layers packed for oneDNN (layers.PackedLinear), for engines that run eagerly; pass
+    pack=False to compile on a CPU."""
     dev = resolve_device(device)
     dt = parse_dtype(dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     target = load_target(target_dir, dt, dev)
     ddt = parse_dtype(drafter_dtype) if drafter_dtype else dt
     drafter = load_drafter(drafter_dir, target, ddt, dev) if drafter_dir else None
+    if pack if pack is not None else dev.type == "cpu":
+        target.pack()
+        if drafter is not None:
+            drafter.pack()
     return target, drafter, dev, dt
 
 
@@ -98,10 +105,11 @@ def cost_table(target, drafter, target_dir, drafter_dir, batch_sizes: list[int],
     batch size in batch_sizes: loaded from `path` (default: its file under compile_cache/cost_tables/),
     and the missing rows measured now (profiler.measure) and saved. A table measured under another
     fingerprint or rho grid is not used: log(message) says so, and a new one is measured."""
-    w, dw = target.lm_head.weight, drafter.fc.weight
+    w, dw = target.model.embed_tokens.weight, drafter.norm.weight
     rhos = list(rhos)
     path = Path(path) if path else table_path(w.device, target_dir, drafter_dir, w.dtype, dw.dtype)
-    fp = fingerprint(w.device, target_dir, drafter_dir, w.dtype, compile, dw.dtype)
+    packed = any(isinstance(m, PackedLinear) for m in target.modules())
+    fp = fingerprint(w.device, target_dir, drafter_dir, w.dtype, compile, dw.dtype, packed)
     table = None
     if path.is_file():
         table = CostTable.load(path)

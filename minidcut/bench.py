@@ -227,7 +227,8 @@ def check_args(args) -> tuple[list[str], list[int]]:
 def run(args, console: Console) -> int:
     specs, batch_sizes = check_args(args)
     runtime.setup(args.threads)
-    target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype)
+    target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype,
+                                                   pack=not args.compile)
     tokenizer = load_tokenizer(args.target)
     prompts, _ = cli.read_prompts(args.prompts, None, tokenizer, args.chat, args.target)
     table = None

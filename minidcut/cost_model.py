@@ -85,14 +85,16 @@ class CostTable:
 
 
 def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: bool,
-                drafter_dtype: torch.dtype | None = None) -> dict:
-    """What a table's seconds depend on: a table measured under another fingerprint is not used."""
+                drafter_dtype: torch.dtype | None = None, packed: bool = False) -> dict:
+    """What a table's seconds depend on: a table measured under another fingerprint is not used
+    (packed: linear layers packed for oneDNN, layers.PackedLinear)."""
     def config_hash(d) -> str:
         cfg = Path(d) / "config.json"
         return hashlib.sha1(cfg.read_bytes()).hexdigest()[:12] if cfg.is_file() else "none"
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).replace("torch.", ""),
             "drafter_dtype": str(drafter_dtype or dtype).replace("torch.", ""), "compiled": bool(compiled),
+            "packed": bool(packed),
             "target_config": config_hash(target_dir), "drafter_config": config_hash(drafter_dir)}
 
 

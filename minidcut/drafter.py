@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError, DrafterConfig, ModelConfig
-from .layers import DecoderLayer, RMSNorm, rope_attention_scaling, rope_cos_sin, rope_inv_freq
+from .layers import (DecoderLayer, RMSNorm, linear, pack_linears, pack_weight, packable, rope_attention_scaling,
+                     rope_cos_sin, rope_inv_freq)
 from .model import KVCache, Layout
 
 
@@ -84,17 +85,23 @@ class DFlashDrafter(nn.Module):
     def borrow(self, target: nn.Module) -> None:
         """Take the target's token embedding and lm_head weights in the drafter's dtype: the target's own
         tensors when the dtypes agree, else copies made once (tied weights: one copy)."""
-        dt = self.fc.weight.dtype
+        dt = self.norm.weight.dtype
         emb, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
         self.embed = emb.to(dt)
         self.head = self.embed if head.data_ptr() == emb.data_ptr() else head.to(dt)
+
+    def pack(self) -> None:
+        """Pack the drafter's linear layers and its lm_head for oneDNN (eager CPU runs: layers.PackedLinear)."""
+        pack_linears(self)
+        if self.head is not None and packable(self.head):
+            self.head = pack_weight(self.head)
 
     def setup_cache(self, rows: int, max_seq: int) -> None:
         """Context K/V per draft layer [rows, kv_heads, max_seq, head_dim] and the context features
         [rows, max_seq, H] (kept if already that shape)."""
         if len(self.caches) and self.caches[0].k.shape[0] == rows and self.caches[0].k.shape[2] == max_seq:
             return
-        c, w = self.cfg.layers, self.fc.weight
+        c, w = self.cfg.layers, self.norm.weight
         self.caches = nn.ModuleList(KVCache(rows, c.num_kv_heads, max_seq, c.head_dim, w.dtype, w.device)
                                     for _ in range(c.num_layers))
         self.register_buffer("feats", torch.zeros(rows, max_seq, c.hidden_size, dtype=w.dtype, device=w.device),
@@ -105,7 +112,7 @@ class DFlashDrafter(nn.Module):
         taps [T, n_taps * H]; row, pos [T]. Tokens that later turn out rejected leave entries past the
         committed length: never read (the draft mask stops at the anchor) and overwritten when that
         position is committed."""
-        feats = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))  # [T, H]
+        feats = self.hidden_norm(self.fc(taps.to(self.norm.weight.dtype)))  # [T, H]
         self.feats[row, pos] = feats
         if kv:
             self._write_kv(feats, row, pos)
@@ -143,4 +150,4 @@ class DFlashDrafter(nn.Module):
         for layer, cache, kind in zip(self.layers, self.caches, self.attention):
             x = layer(x, cos, sin, (cache.k, cache.v), layouts[kind])
         h = self.norm(x).view(b, Bs, -1)[:, 1:].reshape(b * (Bs - 1), -1)  # [b*D, H], contiguous:
-        return F.linear(h, head).view(b, Bs - 1, -1)  # [b, D, V]  (a 3-D strided input makes a slow bmm)
+        return linear(h, head).view(b, Bs - 1, -1)  # [b, D, V]  (a 3-D strided input makes a slow bmm)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import dcut
+from .layers import PackedLinear
 from .model import Transformer, causal_layout, prefill_layout
 from .policy import Policy, StepRecord
 from .sampling import accept, sample, sample_keys
@@ -196,7 +197,9 @@ class Engine:
         self.block = self.drafter.block_size if self.drafter is not None else 1
         self.D = self.block - 1
         self.policy.depth = self.D
-        self.device = target.lm_head.weight.device
+        self.device = target.model.embed_tokens.weight.device
+        if compile and any(isinstance(m, PackedLinear) for m in (*target.modules(), *(drafter.modules() if drafter else ()))):
+            raise ValueError("weights packed for eager CPU matmuls cannot be compiled: load with pack=False")
         self.taps = self.drafter.taps if self.drafter is not None else ()
         target.setup_cache(batch_size, max_seq)
         if self.drafter is not None:

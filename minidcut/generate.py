@@ -154,7 +154,8 @@ def run(args, console: Console) -> int:
     t0 = time.perf_counter()
     with cli.status(console, f"loading {args.target}", args.quiet) as status:
         target, drafter, device, dtype = load_pair(args.target, drafter_dir, args.dtype, args.device,
-                                                   args.drafter_dtype)
+                                                   args.drafter_dtype,
+                                                   pack=not args.compile)
         policy = build_policy(
             f"static:{args.rho}" if args.policy == "static" else args.policy, target=target, drafter=drafter,
             target_dir=args.target, drafter_dir=drafter_dir, batch_size=args.batch_size,

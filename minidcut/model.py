@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import DecoderLayer, RMSNorm, rope_attention_scaling, rope_cos_sin, rope_inv_freq
+from .layers import DecoderLayer, RMSNorm, pack_linears, rope_attention_scaling, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
@@ -107,12 +107,16 @@ class Transformer(nn.Module):
     def max_seq(self) -> int:
         return self.caches[0].k.shape[2] if len(self.caches) else 0
 
+    def pack(self) -> None:
+        """Pack every linear layer (lm_head included) for oneDNN: eager CPU runs (layers.PackedLinear)."""
+        pack_linears(self)
+
     def setup_cache(self, rows: int, max_seq: int) -> None:
         """Allocate the static KV cache, or keep the current one if it has this shape: engines that
         share a target then share the cache tensors, and so the compiled graphs that read them."""
         if len(self.caches) and self.caches[0].k.shape[0] == rows and self.max_seq == max_seq:
             return
-        c, w = self.cfg, self.lm_head.weight
+        c, w = self.cfg, self.model.embed_tokens.weight
         self.caches = nn.ModuleList(KVCache(rows, c.num_kv_heads, max_seq, c.head_dim, w.dtype, w.device)
                                     for _ in range(c.num_layers))
 

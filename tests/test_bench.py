@@ -19,7 +19,7 @@ GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
 def test_bench_runs_every_policy_and_writes_json(tmp_path, capsys):
     hf = make_model(tmp_path / "target", "llama")
     make_drafter(tmp_path / "drafter", hf.config)
-    fp = fingerprint("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, False)
+    fp = fingerprint("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, False, packed=True)
     CostTable([1, 2], GRID, [[1.0, 1.5, 1.6, 1.7, 1.8], [1.2, 2.0, 2.2, 2.4, 2.6]],
               {"fingerprint": fp}).save(tmp_path / "t.json")
     prompts = tmp_path / "p.jsonl"

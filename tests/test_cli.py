@@ -57,7 +57,7 @@ def models(tmp_path_factory):
     make_drafter(root / "drafter_h32", hf_config("llama", vocab_size=len(tok), hidden_size=32),
                  mask_token_id=mask)
     make_drafter(root / "drafter_v", hf_config("llama", vocab_size=len(tok) + 7), mask_token_id=mask)
-    fp = fingerprint("cpu", target, root / "drafter", torch.float32, False)  # what `base` runs with
+    fp = fingerprint("cpu", target, root / "drafter", torch.float32, False, packed=True)  # what `base` runs with
     table = CostTable([1, 2, 4], GRID, [[1.0 + 0.01 * r * b for r in GRID] for b in (1, 2, 4)],
                       {"fingerprint": fp})
     table.save(root / "table.json")

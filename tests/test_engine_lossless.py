@@ -376,3 +376,21 @@ def test_a_bf16_drafter_next_to_an_fp32_target_changes_speed_not_output(agreeing
         outputs, stats, _ = run(target, half.eval(), POLICIES["dcut"](), B, agree_prompts(2 * B + 1), AGREE_MAX_NEW)
         assert outputs == agree_refs[B]
         assert stats.tau > 1.5
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
+def test_a_pair_packed_for_onednn_is_lossless_under_every_policy(tmp_path):
+    """What api.load_pair gives on a CPU (linear layers and the drafter's head packed for oneDNN): every
+    policy still writes AR's tokens, and an engine refuses to compile packed weights."""
+    from minidcut.api import load_pair
+    hf = make_model(tmp_path / "target", "qwen3_moe")
+    make_drafter(tmp_path / "drafter", hf.config)
+    target, drafter, _, _ = load_pair(tmp_path / "target", tmp_path / "drafter", pack=True)
+    assert drafter.head.is_mkldnn
+    prompts = prompts_for(3)
+    ref, _, _ = run(target, None, Policy.ar(), 3, prompts, MAX_NEW)
+    assert ref == run(load_target(tmp_path / "target"), None, Policy.ar(), 3, prompts, MAX_NEW)[0]
+    for name in POLICIES:
+        assert run(target, drafter, POLICIES[name](), 3, prompts, MAX_NEW)[0] == ref, name
+    with pytest.raises(ValueError, match="pack=False"):
+        Engine(target, drafter, Policy.full(), batch_size=2, max_seq=MAX_SEQ, compile=True)

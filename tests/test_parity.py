@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from minidcut.config import parse_model_config
 from minidcut.engine import Engine
-from minidcut.layers import rope_inv_freq
+from minidcut.layers import PackedLinear, rope_inv_freq
 from minidcut.loader import load_target
 from minidcut.model import prefill_layout
 from tiny import BASE, FAMILIES, make_model
@@ -96,6 +96,24 @@ def test_greedy_generation_of_32_tokens_equals_transformers_generate(tiny, famil
     outs = generate(load_target(path), prompts, 32, batch_size=2)
     assert all(len(o) == 32 for o in outs)
     assert outs == refs
+
+
+def packed(path):
+    """The target as api.load_pair gives it on a CPU: linear layers packed for oneDNN."""
+    target = load_target(path)
+    target.pack()
+    assert any(isinstance(m, PackedLinear) for m in target.modules())
+    return target
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_packed_for_onednn_keep_logits_and_greedy_tokens_of_transformers(tiny, family):
+    path, hf = tiny(family)
+    ids = prompt(40, seed=1)
+    assert (minidcut_logits(packed(path), ids) - hf_logits(hf, ids)).abs().max().item() <= 1e-4
+    prompts = [prompt(5, seed=2), prompt(17, seed=3)]
+    assert generate(packed(path), prompts, 32, batch_size=2) == [hf_greedy(hf, p, 32) for p in prompts]
 
 
 # ---- checkpoint layouts --------------------------------------------------------------------------

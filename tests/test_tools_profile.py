@@ -30,7 +30,7 @@ def test_profile_writes_a_cost_table_with_metadata(pair, capsys):
     for key in ("fingerprint", "context_len", "repeats", "date", "relative_spread", "raw_seconds",
                 "wall_seconds", "target", "drafter"):
         assert key in table.meta
-    assert set(table.meta["fingerprint"]) == {"device", "torch", "threads", "dtype", "drafter_dtype", "compiled",
+    assert set(table.meta["fingerprint"]) == {"device", "torch", "threads", "dtype", "drafter_dtype", "compiled", "packed",
                                               "target_config", "drafter_config"}
     for row, raw in zip(table.seconds, table.meta["raw_seconds"].values()):
         assert row[0] == raw[0] and row[1] <= row[2]  # the AR step as measured; drafting steps nondecreasing

@@ -30,6 +30,7 @@ from rich.table import Table  # noqa: E402
 
 from minidcut import cli, runtime  # noqa: E402
 from minidcut.engine import Engine  # noqa: E402
+from minidcut.layers import PackedLinear  # noqa: E402
 from minidcut.loader import load_target  # noqa: E402
 
 CONFIG = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
@@ -66,10 +67,16 @@ def copy_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
 def bytes_per_step(target, max_seq: int, batch: int) -> int:
     """Bytes an AR step reads: every weight matrix once (an embedding tied to the lm_head counts once:
     the head reads it whole, the lookup one row per token), norms, and each layer's static K/V cache
-    rows, which attention reads over all max_seq positions."""
-    weights = {p.data_ptr(): p.numel() * p.element_size() for p in target.parameters()}
+    rows, which attention reads over all max_seq positions. Packed weights (layers.PackedLinear) count
+    as what they hold."""
+    weights = {}
+    for m in target.modules():
+        for t in [*m.parameters(recurse=False), *([m.weight] if isinstance(m, PackedLinear) else [])]:
+            weights[id(t)] = t.numel() * t.element_size()
+    if isinstance(target.lm_head, PackedLinear):  # the head reads its packed copy; the lookup one row
+        weights.pop(id(target.model.embed_tokens.weight))
     c = target.cfg
-    kv = 2 * c.num_layers * batch * c.num_kv_heads * max_seq * c.head_dim * target.lm_head.weight.element_size()
+    kv = 2 * c.num_layers * batch * c.num_kv_heads * max_seq * c.head_dim * target.model.norm.weight.element_size()
     return sum(weights.values()) + kv
 
 
@@ -95,6 +102,8 @@ def run(args, console: Console) -> int:
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     target = load_target(path)
+    if not args.compile:  # what api.load_pair does for an eager CPU run
+        target.pack()
     n_params = sum(p.numel() for p in hf.parameters())
     bandwidth = copy_bandwidth()
     console.log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")

@@ -67,7 +67,8 @@ def run(args, console: Console) -> int:
     compile = args.compile
     cli.check_writable(args.out, "--out")
     runtime.setup(args.threads)
-    target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype)
+    target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype,
+                                                   pack=not args.compile)
     ddt = drafter.fc.weight.dtype
     out = Path(args.out) if args.out else table_path(device, args.target, args.drafter, dtype, ddt)
     t0 = time.time()
@@ -77,7 +78,7 @@ def run(args, console: Console) -> int:
         table = profile(target, drafter, batch_sizes, rhos, args.context_len, args.repeats, args.warmup,
                         compile=compile, meta={"target": str(args.target), "drafter": str(args.drafter),
                                                "fingerprint": fingerprint(device, args.target, args.drafter,
-                                                                          dtype, compile, ddt)},
+                                                                          dtype, compile, ddt, not compile)},
                         on_step=lambda B, rho: bar.update(task, advance=1, description=f"profiling B={B} rho={rho:g}"))
     table.meta["wall_seconds"] = round(time.time() - t0, 1)
     table.save(out)
