@@ -19,7 +19,7 @@ from rich.table import Table  # noqa: E402
 from minidcut import Engine, Policy, load_pair, load_tokenizer  # noqa: E402
 from minidcut import dcut  # noqa: E402
 from minidcut.cost_model import CostTable, table_path  # noqa: E402
-from minidcut.engine import Request  # noqa: E402
+from minidcut.batch import Request  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -7,7 +7,8 @@ measured on this machine. The output is exactly what the target alone would prod
 
 from .api import build_policy, cost_table, load_pair, load_tokenizer
 from .cost_model import CostTable
-from .engine import Engine, Stats
+from .engine import Engine
+from .stats import Stats
 from .loader import load_drafter, load_target
 from .policy import Policy, StepRecord
 from .runtime import default_compile, setup

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .batch import batch_buckets
 from .cost_model import CostTable, CostTableError, fingerprint, table_path
-from .engine import batch_buckets
 from .layers import PackedLinear
 from .loader import load_drafter, load_target, parse_dtype
 from .policy import DEFAULT_GRID, Policy

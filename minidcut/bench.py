@@ -26,7 +26,8 @@ from rich.table import Table
 
 from . import cli, dcut, runtime
 from .api import build_policy, cost_table, load_pair, load_tokenizer, parse_policy
-from .engine import Engine, batch_buckets
+from .batch import batch_buckets
+from .engine import Engine
 from .policy import DEFAULT_GRID
 
 DEFAULT_PROMPTS = cli.MODELS / "prompts_heldout.jsonl"

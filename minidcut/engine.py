@@ -22,85 +22,17 @@ from __future__ import annotations
 import collections
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from . import dcut
+from .batch import Batch, Request, batch_buckets
 from .layers import PackedLinear
 from .model import Transformer, causal_layout, prefill_layout
 from .policy import Policy, StepRecord
 from .sampling import accept, sample, sample_keys
-
-
-@dataclass
-class Request:
-    index: int
-    prompt: list[int]
-    max_new_tokens: int
-    output: list[int] = field(default_factory=list)
-    done: bool = False
-
-    @property
-    def anchor_pos(self) -> int:
-        """Position of the last committed token (the anchor of the next block)."""
-        return len(self.prompt) + len(self.output) - 1
-
-
-@dataclass
-class Batch:
-    """Host-side state of the cache rows: which request each row holds, and per row the anchor (last
-    committed token) and its position on the device. Live rows are kept in the lowest rows."""
-
-    requests: list[Request | None]
-    anchor: torch.Tensor  # [rows]
-    anchor_pos: torch.Tensor  # [rows]
-    request_ids: torch.Tensor  # [rows] the sampling key of each row's request
-    synced: list[int]  # per row: positions below this have the drafter's context K/V
-    stale: bool = False  # a step since the last drafting step skipped the drafter's context K/V
-
-    @classmethod
-    def empty(cls, rows: int, device) -> "Batch":
-        z = functools.partial(torch.zeros, rows, dtype=torch.long, device=device)
-        return cls([None] * rows, z(), z(), z(), [0] * rows)
-
-    @property
-    def live(self) -> list[int]:
-        return [i for i, r in enumerate(self.requests) if r is not None]
-
-    def place(self, rows: list[int], requests: list[Request], first: list[int], kv: bool) -> None:
-        """Requests enter rows after their prefill: the first token is the anchor, right after the
-        prompt; kv: whether the prefill wrote the drafter's context K/V."""
-        idx, dev = torch.tensor(rows, device=self.anchor.device), self.anchor.device
-        self.anchor[idx] = torch.tensor(first, device=dev)
-        self.anchor_pos[idx] = torch.tensor([len(r.prompt) for r in requests], device=dev)
-        self.request_ids[idx] = torch.tensor([r.index for r in requests], device=dev)
-        for row, r in zip(rows, requests):
-            self.requests[row], self.synced[row] = r, len(r.prompt) if kv else 0
-        self.stale = self.stale or not kv
-
-    def limits(self, b: int) -> list[int]:
-        """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
-        return [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in self.requests[:b]]
-
-    def unsynced(self) -> tuple[list[int], list[int]]:
-        """(rows, positions) of committed tokens without the drafter's context K/V, now marked synced."""
-        rows, pos = [], []
-        for i in self.live:
-            end = self.requests[i].anchor_pos
-            rows += [i] * (end - self.synced[i])
-            pos += range(self.synced[i], end)
-            self.synced[i] = end
-        self.stale = False
-        return rows, pos
-
-    def move(self, src: list[int], dst: list[int]) -> None:
-        """Requests of rows src move to rows dst (the caller copies the cache rows)."""
-        s, d = torch.tensor(src, device=self.anchor.device), torch.tensor(dst, device=self.anchor.device)
-        for t in (self.anchor, self.anchor_pos, self.request_ids):
-            t[d] = t[s]
-        for i, j in zip(src, dst):
-            self.requests[j], self.requests[i], self.synced[j] = self.requests[i], None, self.synced[i]
+from .stats import Stats
 
 
 @dataclass
@@ -112,73 +44,6 @@ class Draft:
     gain: torch.Tensor  # [n_rho] expected accepted drafts (uncalibrated)
     log_s: torch.Tensor  # [b, D] log prefix scores
     rho_index: int
-
-
-@dataclass
-class Stats:
-    """Running counters of a generate() call (docs/method.md, "Metrics")."""
-
-    policy: str = ""
-    batch_size: int = 0
-    requests: int = 0
-    generated_tokens: int = 0
-    finished: int = 0
-    steps: int = 0
-    request_steps: int = 0  # live requests summed over target forwards
-    committed: int = 0  # tokens committed by decode steps (bonus included)
-    drafted: int = 0  # draft positions of live requests, over drafting steps
-    kept: int = 0  # drafts sent to verification
-    predicted_raw: float = 0.0  # sum over drafting steps of the chosen rho's expected accepted drafts
-    predicted: float = 0.0  # the same after calibration (what the policy decided on)
-    realized: int = 0  # accepted drafts over the same steps
-    drafting_request_steps: int = 0  # live requests summed over drafting steps
-    rho_hist: collections.Counter = field(default_factory=collections.Counter)
-    bucket_hist: collections.Counter = field(default_factory=collections.Counter)  # steps per batch bucket
-    seconds: collections.Counter = field(default_factory=collections.Counter)  # prefill/draft/verify/...
-    trace: list | None = None  # per drafting step (prefix scores, keep_len, accepted) of live rows
-
-    def add(self, rec: StepRecord, kept: int, depth: int, gain_scale: float) -> None:
-        self.steps += 1
-        self.kept += kept
-        self.request_steps += rec.n_live
-        self.committed += rec.accepted + rec.n_live
-        self.rho_hist[rec.rho] += 1
-        self.bucket_hist[rec.batch_size] += 1
-        if rec.drafted:
-            self.drafted += rec.n_live * depth
-            self.predicted_raw += rec.predicted
-            self.predicted += rec.predicted * gain_scale
-            self.realized += rec.accepted
-            self.drafting_request_steps += rec.n_live
-
-    @property
-    def decode_seconds(self) -> float:
-        return sum(v for k, v in self.seconds.items() if k not in ("prefill", "compile"))
-
-    @property
-    def tau(self) -> float:
-        return self.committed / max(self.request_steps, 1)
-
-    @property
-    def keep_ratio(self) -> float:
-        return self.kept / max(self.drafted, 1)
-
-    def as_dict(self) -> dict:
-        total = self.decode_seconds + self.seconds["prefill"]
-        return {"policy": self.policy, "batch_size": self.batch_size, "requests": self.requests,
-                "generated_tokens": self.generated_tokens, "decode_seconds": self.decode_seconds,
-                "tokens_per_second": self.generated_tokens / total if total else 0.0,
-                "tau": self.tau, "keep_ratio": self.keep_ratio, "steps": self.steps,
-                "rho_histogram": {f"{k:g}": v for k, v in sorted(self.rho_hist.items())},
-                "bucket_histogram": {str(k): v for k, v in sorted(self.bucket_hist.items())},
-                "predicted_accepted_raw": self.predicted_raw, "predicted_accepted": self.predicted,
-                "realized_accepted": self.realized, "drafting_request_steps": self.drafting_request_steps,
-                "seconds": dict(self.seconds)}
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """Batch sizes a step may run at: powers of two below max_batch, and max_batch."""
-    return sorted({2 ** i for i in range(max_batch.bit_length()) if 2 ** i < max_batch} | {max_batch})
 
 
 class Engine:

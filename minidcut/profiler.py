@@ -11,7 +11,8 @@ from datetime import datetime, timezone
 import torch
 
 from .cost_model import CostTable
-from .engine import Engine, Request
+from .batch import Request
+from .engine import Engine
 from .policy import Policy
 
 

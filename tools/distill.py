@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     ids = [x for x in every[: args.limit] if len(x) <= args.max_prompt_tokens]
     console.log(f"{len(ids)} prompts of {len(every[: args.limit])} fit --max-prompt-tokens {args.max_prompt_tokens}")
     target = load_target(args.target)
+    if target.model.embed_tokens.weight.device.type == "cpu":
+        target.pack()  # eager decoding: linear layers packed for oneDNN (layers.PackedLinear), ~2x faster here
     meta = {"target": str(args.target), "prompts": str(args.prompts), "chat": args.chat,
             "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
     data = generate_chat(target, ids, args.max_new_tokens, args.batch_size, Path(args.out), meta, console)

@@ -25,7 +25,8 @@ from rich.table import Table  # noqa: E402
 
 from minidcut import cli, dcut, runtime  # noqa: E402
 from minidcut.api import load_pair  # noqa: E402
-from minidcut.engine import Engine, Request  # noqa: E402
+from minidcut.batch import Request  # noqa: E402
+from minidcut.engine import Engine  # noqa: E402
 from minidcut.policy import DEFAULT_GRID, Policy  # noqa: E402
 
 

@@ -1,0 +1,84 @@
+"""Host-side state of a batch: the requests, which cache row holds which, and the batch buckets a step
+can run at (docs/method.md, "Batch buckets")."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def anchor_pos(self) -> int:
+        """Position of the last committed token (the anchor of the next block)."""
+        return len(self.prompt) + len(self.output) - 1
+
+
+@dataclass
+class Batch:
+    """Host-side state of the cache rows: which request each row holds, and per row the anchor (last
+    committed token) and its position on the device. Live rows are kept in the lowest rows."""
+
+    requests: list[Request | None]
+    anchor: torch.Tensor  # [rows]
+    anchor_pos: torch.Tensor  # [rows]
+    request_ids: torch.Tensor  # [rows] the sampling key of each row's request
+    synced: list[int]  # per row: positions below this have the drafter's context K/V
+    stale: bool = False  # a step since the last drafting step skipped the drafter's context K/V
+
+    @classmethod
+    def empty(cls, rows: int, device) -> "Batch":
+        z = functools.partial(torch.zeros, rows, dtype=torch.long, device=device)
+        return cls([None] * rows, z(), z(), z(), [0] * rows)
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i, r in enumerate(self.requests) if r is not None]
+
+    def place(self, rows: list[int], requests: list[Request], first: list[int], kv: bool) -> None:
+        """Requests enter rows after their prefill: the first token is the anchor, right after the
+        prompt; kv: whether the prefill wrote the drafter's context K/V."""
+        idx, dev = torch.tensor(rows, device=self.anchor.device), self.anchor.device
+        self.anchor[idx] = torch.tensor(first, device=dev)
+        self.anchor_pos[idx] = torch.tensor([len(r.prompt) for r in requests], device=dev)
+        self.request_ids[idx] = torch.tensor([r.index for r in requests], device=dev)
+        for row, r in zip(rows, requests):
+            self.requests[row], self.synced[row] = r, len(r.prompt) if kv else 0
+        self.stale = self.stale or not kv
+
+    def limits(self, b: int) -> list[int]:
+        """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
+        return [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in self.requests[:b]]
+
+    def unsynced(self) -> tuple[list[int], list[int]]:
+        """(rows, positions) of committed tokens without the drafter's context K/V, now marked synced."""
+        rows, pos = [], []
+        for i in self.live:
+            end = self.requests[i].anchor_pos
+            rows += [i] * (end - self.synced[i])
+            pos += range(self.synced[i], end)
+            self.synced[i] = end
+        self.stale = False
+        return rows, pos
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Requests of rows src move to rows dst (the caller copies the cache rows)."""
+        s, d = torch.tensor(src, device=self.anchor.device), torch.tensor(dst, device=self.anchor.device)
+        for t in (self.anchor, self.anchor_pos, self.request_ids):
+            t[d] = t[s]
+        for i, j in zip(src, dst):
+            self.requests[j], self.requests[i], self.synced[j] = self.requests[i], None, self.synced[i]
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a step may run at: powers of two below max_batch, and max_batch."""
+    return sorted({2 ** i for i in range(max_batch.bit_length()) if 2 ** i < max_batch} | {max_batch})

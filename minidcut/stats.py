@@ -1,0 +1,69 @@
+"""Counters of a generate() call, in the method's metric names (docs/method.md, "Metrics")."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """Running counters of a generate() call (docs/method.md, "Metrics")."""
+
+    policy: str = ""
+    batch_size: int = 0
+    requests: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    steps: int = 0
+    request_steps: int = 0  # live requests summed over target forwards
+    committed: int = 0  # tokens committed by decode steps (bonus included)
+    drafted: int = 0  # draft positions of live requests, over drafting steps
+    kept: int = 0  # drafts sent to verification
+    predicted_raw: float = 0.0  # sum over drafting steps of the chosen rho's expected accepted drafts
+    predicted: float = 0.0  # the same after calibration (what the policy decided on)
+    realized: int = 0  # accepted drafts over the same steps
+    drafting_request_steps: int = 0  # live requests summed over drafting steps
+    rho_hist: collections.Counter = field(default_factory=collections.Counter)
+    bucket_hist: collections.Counter = field(default_factory=collections.Counter)  # steps per batch bucket
+    seconds: collections.Counter = field(default_factory=collections.Counter)  # prefill/draft/verify/...
+    trace: list | None = None  # per drafting step (prefix scores, keep_len, accepted) of live rows
+
+    def add(self, rec, kept: int, depth: int, gain_scale: float) -> None:
+        """Count one StepRecord (policy.py) with its kept drafts."""
+        self.steps += 1
+        self.kept += kept
+        self.request_steps += rec.n_live
+        self.committed += rec.accepted + rec.n_live
+        self.rho_hist[rec.rho] += 1
+        self.bucket_hist[rec.batch_size] += 1
+        if rec.drafted:
+            self.drafted += rec.n_live * depth
+            self.predicted_raw += rec.predicted
+            self.predicted += rec.predicted * gain_scale
+            self.realized += rec.accepted
+            self.drafting_request_steps += rec.n_live
+
+    @property
+    def decode_seconds(self) -> float:
+        return sum(v for k, v in self.seconds.items() if k not in ("prefill", "compile"))
+
+    @property
+    def tau(self) -> float:
+        return self.committed / max(self.request_steps, 1)
+
+    @property
+    def keep_ratio(self) -> float:
+        return self.kept / max(self.drafted, 1)
+
+    def as_dict(self) -> dict:
+        total = self.decode_seconds + self.seconds["prefill"]
+        return {"policy": self.policy, "batch_size": self.batch_size, "requests": self.requests,
+                "generated_tokens": self.generated_tokens, "decode_seconds": self.decode_seconds,
+                "tokens_per_second": self.generated_tokens / total if total else 0.0,
+                "tau": self.tau, "keep_ratio": self.keep_ratio, "steps": self.steps,
+                "rho_histogram": {f"{k:g}": v for k, v in sorted(self.rho_hist.items())},
+                "bucket_histogram": {str(k): v for k, v in sorted(self.bucket_hist.items())},
+                "predicted_accepted_raw": self.predicted_raw, "predicted_accepted": self.predicted,
+                "realized_accepted": self.realized, "drafting_request_steps": self.drafting_request_steps,
+                "seconds": dict(self.seconds)}
