@@ -37,9 +37,11 @@ def test_train_drafter_writes_a_zlab_layout_drafter_that_loads_and_lowers_the_lo
     more = tmp_path / "more"
     train_drafter.main(["--target", str(target), "--out", str(more), "--corpus", str(tmp_path / "corpus"),
                         "--sequences", "16", "--prompt-len", "24", "--seq-len", "64", "--steps", "5",
-                        "--batch-size", "4", "--anchors", "4", "--lr", "1e-3", "--init", str(out), "--seed", "1"])
+                        "--batch-size", "4", "--anchors", "4", "--lr", "1e-3", "--init", str(out), "--seed", "1",
+                        "--loss-slots", "4", "--save-every", "2",
+                        "--mask-token", "<no such token>"])  # the mask id comes from the drafter it continues
     log2 = json.loads((more / "train_log.json").read_text())
-    assert log2["continues"]["command"] == log["command"]
+    assert log2["continues"]["command"] == log["command"] and log2["steps"] == 5
     assert log2["first_loss"] < log["first_loss"]
     assert json.loads((more / "config.json").read_text())["dflash_config"] == cfg["dflash_config"]
 

@@ -75,6 +75,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--decay", type=float, default=7.0, help="slot-weight decay exp(-(k-1)/decay)")
+    p.add_argument("--loss-slots", type=int, default=None,
+                   help="train only the first N draft slots (default: all D): the deep ones weigh little "
+                        "under the decay but cost as much in the lm_head")
+    p.add_argument("--save-every", type=int, default=None,
+                   help="also save the drafter to --out every N steps (a chunk cut short keeps its progress)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -235,12 +240,13 @@ def drafter_loss(drafter, target, seqs, feats, labels, starts, lens, args, gen: 
     span = (lens - 1 - starts).clamp_min(1)  # anchors per sequence to choose from
     anchors = starts[:, None] + (torch.rand(N, args.anchors, generator=gen) * span[:, None]).long()  # [N, A]
     anchors = anchors.to(dev)
-    hidden = block_forward(drafter, target, feats, seqs, anchors)[:, :, 1:]  # [N, A, D, H]
+    S = getattr(args, "loss_slots", None) or Bs - 1  # slots trained (the block still has Bs)
+    hidden = block_forward(drafter, target, feats, seqs, anchors)[:, :, 1:S + 1]  # [N, A, S, H]
     # Slot k predicts the target's greedy token after position anchor + k - 1.
-    idx = anchors[..., None] + torch.arange(Bs - 1, device=dev)  # [N, A, D]
+    idx = anchors[..., None] + torch.arange(S, device=dev)  # [N, A, S]
     valid = idx <= (lens.to(dev) - 2)[:, None, None]  # [N, A, D]: a label exists there
     y = labels.gather(1, idx.clamp(max=labels.shape[1] - 1).view(N, -1)).view_as(idx)
-    w = torch.exp(-torch.arange(Bs - 1, dtype=torch.float32, device=dev) / args.decay) * valid  # [N, A, D]
+    w = torch.exp(-torch.arange(S, dtype=torch.float32, device=dev) / args.decay) * valid  # [N, A, S]
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
     total, hits = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]).to(dtype),
                                            target.lm_head.weight, y.flatten(), w.flatten())
@@ -304,6 +310,21 @@ def save_drafter(drafter: DFlashDrafter, out: Path, log: dict) -> None:
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
 
+def train_log(args, argv, drafter, seqs, starts, steps, t_start, t_train, first, ema) -> dict:
+    """The recipe and figures saved with the drafter (model cards quote them)."""
+    log = {"command": " ".join(["python", "tools/train_drafter.py", *(argv or sys.argv[1:])]),
+           "wall_seconds": round(time.time() - t_start, 1), "train_seconds": round(time.time() - t_train, 1),
+           "steps": steps, "sequences": len(seqs), "tokens": sum(map(len, seqs)),
+           "trained_positions": sum(len(q) - st for q, st in zip(seqs, starts)),
+           "first_loss": first, "final_loss_ema": ema,
+           "parameters": sum(p.numel() for p in drafter.parameters()),
+           "target": str(args.target), "seed": args.seed}
+    if args.init:  # the run this one continues, so the log keeps the whole recipe
+        prev = Path(args.init) / "train_log.json"
+        log["continues"] = json.loads(prev.read_text()) if prev.is_file() else str(args.init)
+    return log
+
+
 def main(argv=None):
     args = parse_args(argv)
     console = Console()
@@ -314,7 +335,6 @@ def main(argv=None):
     t_start = time.time()
     target_dir = Path(args.target)
     target = load_target(target_dir, torch.float32, args.device)
-    mask_id = mask_token_id(args, target_dir)
     if args.data:
         data = torch.load(args.data)
         seqs = [torch.tensor(x, device=args.device) for x in data["sequences"]]
@@ -334,7 +354,7 @@ def main(argv=None):
         drafter = load_drafter(args.init, target, torch.float32, args.device).train().requires_grad_(True)
         args.block_size = drafter.block_size
     else:
-        drafter = build_drafter(args, target.cfg, mask_id).to(args.device)
+        drafter = build_drafter(args, target.cfg, mask_token_id(args, target_dir)).to(args.device)
     cache = Path(args.features_cache) if args.features_cache else None
     if cache is not None and cache.is_file():
         cached = torch.load(cache)
@@ -368,16 +388,10 @@ def main(argv=None):
             bar.update(task, advance=1, info=f"loss {ema:.3f} acc@1 {acc1.item():.2f}")
             if not console.is_terminal and (step + 1) % 50 == 0:  # a log line when not on a terminal
                 console.log(f"step {step + 1}/{args.steps} loss {ema:.3f} acc@1 {acc1.item():.2f}")
-    log = {"command": " ".join(["python", "tools/train_drafter.py", *(argv or sys.argv[1:])]),
-           "wall_seconds": round(time.time() - t_start, 1), "train_seconds": round(time.time() - t_train, 1),
-           "steps": args.steps, "sequences": len(seqs), "tokens": sum(map(len, seqs)),
-           "trained_positions": sum(len(q) - st for q, st in zip(seqs, starts)),
-           "first_loss": first, "final_loss_ema": ema,
-           "parameters": sum(p.numel() for p in drafter.parameters()),
-           "target": str(target_dir), "seed": args.seed}
-    if args.init:  # the run this one continues, so the log keeps the whole recipe
-        prev = Path(args.init) / "train_log.json"
-        log["continues"] = json.loads(prev.read_text()) if prev.is_file() else str(args.init)
+            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                save_drafter(drafter, Path(args.out),
+                             train_log(args, argv, drafter, seqs, starts, step + 1, t_start, t_train, first, ema))
+    log = train_log(args, argv, drafter, seqs, starts, args.steps, t_start, t_train, first, ema)
     save_drafter(drafter, Path(args.out), log)
     console.print(f"saved {args.out} ({log['parameters'] / 1e6:.2f}M parameters, {log['wall_seconds']:.0f} s)")
 
