@@ -64,7 +64,10 @@ def broken_citations(text: str) -> list[str]:
 
 def ignored(path: str) -> bool:
     """Whether git ignores the path: made locally (a fetched model), never in a clone."""
-    return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+    # a pattern with a trailing slash matches only directories, and an absent path is no directory
+    # to git: ask for the path as a directory as well
+    return any(subprocess.run(["git", "check-ignore", "-q", p], cwd=ROOT).returncode == 0
+               for p in (path, path.rstrip("/") + "/"))
 
 
 def missing_paths(text: str) -> list[str]:

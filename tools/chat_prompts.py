@@ -10,7 +10,7 @@ heldout   (a) the Python language reference shipped with the interpreter (`pydoc
           instructions and classic programming exercises (HANDWRITTEN below). Nothing in it comes from
           the stdlib's code or docstrings.
 
-    python -m tools.chat_prompts --train /tmp/chat_train.jsonl --heldout models/prompts_chat_heldout.jsonl
+    python tools/chat_prompts.py --train /tmp/chat_train.jsonl --heldout models/prompts_chat_heldout.jsonl
 
 Each line is {"prompt": "..."}: a user message, put under the chat template by `--chat`.
 """
@@ -22,10 +22,15 @@ import ast
 import json
 import random
 import re
+import sys
 import textwrap
 from pathlib import Path
 
-from tools import corpus
+# Run as a script: import from the repo root, and never let tools/profile.py shadow the stdlib module.
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from tools import corpus  # noqa: E402
 
 HANDWRITTEN = [
     "Give me three tips for staying focused while studying.",

@@ -10,7 +10,7 @@ A data file holds the token sequences (prompt + continuation) and, per sequence,
 a drafter is trained to draft from (`starts`: the first generated token in chat mode). Chat data is
 written in resumable chunks: run the command again and it continues where the file stops.
 
-    python -m tools.chat_prompts --train /tmp/chat_train.jsonl
+    python tools/chat_prompts.py --train /tmp/chat_train.jsonl
     python tools/distill.py --target models/smollm2-135m-instruct --prompts /tmp/chat_train.jsonl \
         --chat --max-new-tokens 256 --out /tmp/smollm2_chat.pt
 """
