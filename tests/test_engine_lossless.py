@@ -211,9 +211,10 @@ def agreeing_pair(tmp_path_factory):
     prompts = [torch.randint(2, 95, (8,), generator=g).tolist() for _ in range(128)]
     gens, _, _ = run(target, None, Policy.ar(), 64, prompts, 56, max_seq=80)
     seqs = [torch.tensor(p + o) for p, o in zip(prompts, gens)]  # 128 x [64]
-    args = types.SimpleNamespace(layers=1, block_size=16, intermediate_size=None, anchors=8, decay=7.0, taps=None)
+    args = types.SimpleNamespace(layers=1, block_size=16, intermediate_size=None, anchors=8, decay=7.0, taps=None,
+                                 from_target_layers=False)
     torch.manual_seed(0)
-    drafter = build_drafter(args, target.cfg, AGREE_MASK_ID)
+    drafter = build_drafter(args, target, AGREE_MASK_ID)
     feats, labels = target_features(target, seqs, drafter.taps)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95))
     for _ in range(TRAIN_STEPS):

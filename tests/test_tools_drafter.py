@@ -52,3 +52,23 @@ def test_taps_are_checked_against_the_target():
     for bad in ("1,4", "-1", "a,b"):
         with pytest.raises(SystemExit, match="--taps"):
             train_drafter.parse_taps(bad, 4)
+
+
+def test_from_target_layers_starts_the_draft_layers_as_the_targets_last_layers(tmp_path):
+    from minidcut.loader import load_target
+    target_dir, _ = make_tokenized_pair(tmp_path)
+    target = load_target(target_dir)
+    args = train_drafter.parse_args(["--target", str(target_dir), "--out", str(tmp_path / "d"), "--layers", "2",
+                                     "--from-target-layers"])
+    drafter = train_drafter.build_drafter(args, target, 1)
+    for layer, src in zip(drafter.layers, target.model.layers[-2:]):
+        theirs = src.state_dict()
+        for name, p in layer.state_dict().items():
+            if "q_norm" in name or "k_norm" in name:  # the target has none: they start at one
+                assert torch.equal(p, torch.ones_like(p)), name
+            else:
+                assert torch.equal(p, theirs[name]), name
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    args.from_target_layers = False
+    assert not torch.equal(train_drafter.build_drafter(args, target, 1).layers[0].mlp.up_proj.weight,
+                           target.model.layers[-2].mlp.up_proj.weight)
