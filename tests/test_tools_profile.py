@@ -59,3 +59,13 @@ def test_the_rhos_take_turns_so_a_slow_spell_of_the_machine_hits_every_rho_alike
                     on_step=lambda B, rho: order.append(rho))
     assert order == [0.0, 0.5, 1.0] + [0.0, 0.5, 1.0] * 3  # warm-up rho by rho, then timed rounds
     assert len(table.seconds[0]) == 3
+
+
+def test_step_costs_times_every_part_of_a_step(pair, capsys):
+    from tools import step_costs
+    code = step_costs.main(["--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--batch-sizes",
+                            "1,2", "--context-len", "8", "--repeats", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for part in ("AR step", "lm_head on B*D rows", "selector", "verify rho=1"):
+        assert part in out

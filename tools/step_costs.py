@@ -19,7 +19,6 @@ if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -27,6 +26,7 @@ from minidcut import cli, dcut, runtime  # noqa: E402
 from minidcut.api import load_pair  # noqa: E402
 from minidcut.batch import Request  # noqa: E402
 from minidcut.engine import Engine  # noqa: E402
+from minidcut.layers import linear  # noqa: E402
 from minidcut.policy import DEFAULT_GRID, Policy  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def parts(engine: Engine, B: int, context_len: int) -> dict:
     draft = engine.draft(anchor, pos, [D] * B, B)
     out = {"AR step (verify K=0)": lambda: engine.graph("verify", B, 0, kv=False)(anchor, pos, ids, None, None),
            "drafter forward": lambda: drafter(target, anchor, pos),
-           "  of it: lm_head on B*D rows": lambda: F.linear(h, drafter.head),
+           "  of it: lm_head on B*D rows": lambda: linear(h, drafter.head),
            "softmax + max over V": lambda: torch.softmax(logits.float(), -1).max(-1),
            "selector (scores, keep_len, gains)": lambda: dcut.gains(s := dcut.prefix_scores(conf, torch.full((B,), D)), Ks, None)
            + dcut.keep_lens(s, Ks).sum(),
