@@ -1,4 +1,4 @@
-"""A small benchmark: ar, full and dcut side by side at two batch sizes on held-out prompts, three
+"""A small benchmark: ar, full and dcut side by side at two batch sizes on held-out prompts, two
 interleaved passes each (python -m minidcut.bench is the full version; under a minute on a 2-core CPU).
 
     python examples/policies_side_by_side.py [--target DIR --drafter DIR] [--batch-sizes 1,8] [--compile]
@@ -23,9 +23,9 @@ p.add_argument("--max-new-tokens", default="24")
 p.add_argument("--compile", action="store_true", help="torch.compile (default: only on CUDA)")
 args = p.parse_args()
 
-print(f"ar, full and dcut at B = {args.batch_sizes}: {args.max_new_tokens} new tokens per prompt, 3 passes each; "
+print(f"ar, full and dcut at B = {args.batch_sizes}: {args.max_new_tokens} new tokens per prompt, 2 passes each; "
       "dcut's cost table is measured first where it is missing", flush=True)
 argv = ["--target", args.target, "--drafter", args.drafter, "--prompts", args.prompts,
-        "--batch-sizes", args.batch_sizes, "--policies", "ar,full,dcut", "--repeats", "3",
+        "--batch-sizes", args.batch_sizes, "--policies", "ar,full,dcut", "--repeats", "2",
         "--max-new-tokens", args.max_new_tokens] + (["--compile"] if args.compile else [])
 sys.exit(bench.main(argv))

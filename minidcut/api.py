@@ -43,8 +43,8 @@ def resolve_device(device: str | None) -> torch.device:
 def load_pair(target_dir, drafter_dir=None, dtype: str | None = None, device: str | None = None,
               drafter_dtype: str | None = None, pack: bool | None = None):
     """(target, drafter or None, device, dtype). Default dtype: bfloat16 on CUDA, float32 on CPU; the
-    drafter's default: the target's (bfloat16 makes a CPU with bf16 instructions draft several times
-    faster next to an fp32 target; the output is the target's either way). pack (default: on a CPU):
+    drafter's default: the target's (a bfloat16 drafter next to an fp32 target pays only on a CPU with
+    bf16 instructions; the output is the target's either way). pack (default: on a CPU):
     linear layers packed for oneDNN (layers.PackedLinear), for engines that run eagerly; pass
     pack=False to compile on a CPU."""
     dev = resolve_device(device)

@@ -170,10 +170,14 @@ class Attention(nn.Module):
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """Whether a CPU matmul with this weight can use oneDNN with the weight reordered once (fp32 or bf16
-    on a CPU build with oneDNN)."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """Whether a CPU matmul with this weight can use oneDNN with the weight reordered once: fp32 on a
+    CPU build with oneDNN; bf16 only where the CPU has bf16 instructions (oneDNN refuses it elsewhere,
+    e.g. on an AVX2-only CPU, and plain matmuls run it)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
