@@ -70,7 +70,8 @@ def parse_args(argv=None):
                    help="keep the target's tapped features of --data in this file (made once, then reused)")
     p.add_argument("--bf16", action="store_true",
                    help="train under bfloat16 autocast (fp32 master weights): several times faster on "
-                        "CPUs with bf16 instructions, far slower without them (AVX2 only: 120 s a step vs 4.4 in fp32)")
+                        "CPUs with bf16 instructions, far slower without them (AVX2 only: 120 s a step vs "
+                        "4.4 s in fp32)")
     p.add_argument("--sequences", type=int, default=1024, help="self-distilled training sequences")
     p.add_argument("--prompt-len", type=int, default=64, help="corpus tokens before each continuation")
     p.add_argument("--seq-len", type=int, default=256, help="prompt + greedy continuation length")
