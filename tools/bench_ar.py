@@ -57,16 +57,9 @@ def bandwidths(mbytes: int = 1024, repeats: int = 5) -> tuple[float, float]:
     (bytes read) and a copy (bytes read + written)."""
     src = torch.ones(mbytes * 2 ** 20 // 4)
     dst = torch.empty_like(src)
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-    return src.numel() * 4 / best(src.sum), 2 * src.numel() * 4 / best(lambda: dst.copy_(src))
+    nbytes = src.numel() * 4
+    src.sum(), dst.copy_(src)  # first touch of the pages, untimed
+    return nbytes / timed(src.sum, repeats, min), 2 * nbytes / timed(lambda: dst.copy_(src), repeats, min)
 
 
 def bytes_per_step(target, max_seq: int, batch: int) -> int:
@@ -85,13 +78,14 @@ def bytes_per_step(target, max_seq: int, batch: int) -> int:
     return sum(weights.values()) + kv
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int, reduce=statistics.median) -> float:
+    """Seconds of fn(): `reduce` (median by default) over `repeats` runs."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return reduce(times)
 
 
 @torch.inference_mode()
