@@ -220,7 +220,7 @@ def agreeing_pair(tmp_path_factory):
     for _ in range(TRAIN_STEPS):
         idx = torch.randint(0, len(seqs), (8,), generator=g).tolist()
         batch = pad_batch(seqs, feats, labels, [1] * len(seqs), idx)
-        loss, _ = drafter_loss(drafter, target, *batch, args, g)
+        loss, _ = drafter_loss(drafter, target, target.lm_head.weight, *batch, args, g)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from minidcut import load_pair
@@ -72,3 +73,60 @@ def test_from_target_layers_starts_the_draft_layers_as_the_targets_last_layers(t
     args.from_target_layers = False
     assert not torch.equal(train_drafter.build_drafter(args, target, 1).layers[0].mlp.up_proj.weight,
                            target.model.layers[-2].mlp.up_proj.weight)
+
+
+def greedy_data(target, n: int = 6, prompt_len: int = 5, new: int = 40, seed: int = 0):
+    """tools/distill.py's data shape: prompts and the target's greedy answers, `starts` at each answer."""
+    from minidcut import Engine
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, target.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(n)]
+    outs, _ = Engine(target, None, batch_size=n, max_seq=prompt_len + new + 2, compile=False).generate(prompts, new)
+    return {"sequences": [p + o for p, o in zip(prompts, outs)], "starts": [prompt_len] * n}
+
+
+def test_greedy_data_features_stop_at_the_last_tap_and_label_with_the_next_token(tmp_path):
+    from minidcut.loader import load_target
+    target = load_target(make_tokenized_pair(tmp_path)[0])
+    data = greedy_data(target)
+    seqs = [torch.tensor(s) for s in data["sequences"]]
+    layers = target.model.layers
+    full_f, full_y = train_drafter.target_features(target, seqs, (0, 2))
+    calls = []
+    for m in (layers[3], target.lm_head):
+        m.register_forward_hook(lambda mod, inp, out: calls.append(out.numel()))
+    fast_f, fast_y = train_drafter.target_features(target, seqs, (0, 2), greedy_data=True)
+    assert calls == [0] * len(calls)  # neither the last layer nor the lm_head did any work
+    assert target.model.layers is layers  # the truncation is undone
+    for s, st, a, b, ya, yb in zip(seqs, data["starts"], full_f, fast_f, full_y, fast_y):
+        assert torch.equal(a, b)
+        assert torch.equal(ya[st:-1], yb[st:-1])  # the trained labels: the target's greedy tokens
+        assert torch.equal(yb[:-1], s[1:])
+
+
+def test_data_vocab_trains_the_softmax_over_the_datas_tokens(tmp_path, capsys):
+    from minidcut.loader import load_target
+    target_dir, _ = make_tokenized_pair(tmp_path)
+    data = greedy_data(load_target(target_dir), n=8)
+    torch.save(data, tmp_path / "data.pt")
+    out = tmp_path / "d"
+    train_drafter.main(["--target", str(target_dir), "--out", str(out), "--data", str(tmp_path / "data.pt"),
+                        "--steps", "30", "--batch-size", "4", "--anchors", "4", "--layers", "1", "--lr", "3e-3",
+                        "--taps", "1,2", "--mask-token-id", "1", "--data-vocab", "--features-dtype", "bfloat16"])
+    n = len(set().union(*data["sequences"]))
+    assert f"softmax over the {n} of 300 tokens" in capsys.readouterr().out
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["final_loss_ema"] < log["first_loss"]
+
+
+def test_linear_cross_entropy_over_a_subset_of_rows_is_the_restricted_softmax():
+    g = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(50, 8, generator=g), torch.randn(6, 8, generator=g, requires_grad=True)
+    vocab = torch.tensor([3, 7, 11, 20, 41])
+    y, w = torch.tensor([0, 4, 2, 2, 1, 3]), torch.rand(6, generator=g)
+    total, hits = train_drafter.LinearCrossEntropy.apply(hidden, weight[vocab], y, w)
+    logits = hidden @ weight[vocab].T
+    ref = (w * F.cross_entropy(logits, y, reduction="none")).sum()
+    assert torch.allclose(total, ref, atol=1e-5) and torch.equal(hits, logits.argmax(-1) == y)
+    (g1,) = torch.autograd.grad(total, hidden)
+    (g2,) = torch.autograd.grad(ref, hidden)
+    assert torch.allclose(g1, g2, atol=1e-5)

@@ -13,6 +13,13 @@ is only useful if all before it are accepted.
 Data: by default the target continues windows of the stdlib corpus here; `--data FILE` trains on a
 data file of tools/distill.py instead (e.g. chat answers; anchors then start at each answer's first
 token). Sequences may differ in length: a slot whose label lies past its sequence's end is not counted.
+Such data is the target's greedy text already, so its labels are its next tokens and the features pass
+stops at the last tapped layer (`--features-dtype bfloat16` halves it again on CPUs with bf16 instructions).
+
+Cost. On a CPU a step's time goes mostly to the frozen lm_head (every trained slot against the whole
+vocabulary) and the draft layers. `--data-vocab` runs the training softmax over the tokens that occur in
+the data only (a sampled softmax with a fixed sample): SmolLM2's chat data uses 9,481 of 49,152 tokens.
+Inference is unchanged: drafts still come from the whole lm_head.
 
 Start: fresh weights, or `--from-target-layers`: the draft layers begin as copies of the target's last
 layers (they already turn hidden states into the lm_head's input), which lowered the loss faster on
@@ -68,6 +75,10 @@ def parse_args(argv=None):
                    "distilling corpus windows (--sequences, --prompt-len, --seq-len, --corpus are then unused)")
     p.add_argument("--features-cache", default=None,
                    help="keep the target's tapped features of --data in this file (made once, then reused)")
+    p.add_argument("--features-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the target forward that makes the tapped features (kept in bf16 either way): "
+                        "bfloat16 ran 2.1x faster on a CPU with bf16 instructions; its SmolLM2 features differ "
+                        "from fp32's by 0.3-0.8%% (bf16 storage alone: 0.2%%)")
     p.add_argument("--bf16", action="store_true",
                    help="train under bfloat16 autocast (fp32 master weights): several times faster on "
                         "CPUs with bf16 instructions, far slower without them (AVX2 only: 120 s a step vs "
@@ -80,6 +91,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--decay", type=float, default=7.0, help="slot-weight decay exp(-(k-1)/decay)")
+    p.add_argument("--data-vocab", action="store_true",
+                   help="train the softmax over the tokens that occur in the training data only, not the "
+                        "whole vocabulary: the lm_head's share of a step falls by V / V' (SmolLM2's chat data: "
+                        "49,152 / ~9k); drafts at inference still use the whole lm_head")
     p.add_argument("--loss-slots", type=int, default=None,
                    help="train only the first N draft slots (default: all D): the deep ones weigh little "
                         "under the decay but cost as much in the lm_head")
@@ -128,10 +143,15 @@ def distill(target, prompts: torch.Tensor, gen_len: int, console: Console) -> li
 
 @torch.no_grad()
 def target_features(target, seqs: list[torch.Tensor], taps: tuple[int, ...], console: Console | None = None,
-                    tokens_per_forward: int = 4096):
+                    tokens_per_forward: int = 4096, greedy_data: bool = False):
     """For each sequence [L_i]: tapped hidden states [L_i, n_taps*H] (bf16) and the target's greedy
     next token at every position [L_i]. Sequences of similar length share a forward (one prefill of
-    several rows, up to tokens_per_forward tokens)."""
+    several rows, up to tokens_per_forward tokens).
+
+    greedy_data: the sequences are the target's own greedy text from the first trained position on
+    (tools/distill.py), so the label at position t is the token at t + 1 (the last one is never read)
+    and the forward stops at the last tapped layer: no later layers, no lm_head (a quarter of the
+    work for SmolLM2-135M's 30 layers and 49,152 x 576 head)."""
     feats, labels = [None] * len(seqs), [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     groups, group = [], []
@@ -141,15 +161,27 @@ def target_features(target, seqs: list[torch.Tensor], taps: tuple[int, ...], con
             group = []
         group.append(i)
     groups.append(group)
-    with progress(console or Console(quiet=True)) as bar:
-        task = bar.add_task("target features", total=len(seqs), info="")
-        for group in groups:
-            lens = [len(seqs[i]) for i in group]
-            layout, _ = prefill_layout(list(range(len(group))), lens, seqs[group[0]].device)
-            logits, tapped = target(torch.cat([seqs[i] for i in group]), layout, taps=taps)  # [T, V], [T, F]
-            for i, f, y in zip(group, tapped.split(lens), logits.argmax(-1).split(lens)):
-                feats[i], labels[i] = f.to(torch.bfloat16), y
-            bar.advance(task, len(group))
+    layers = target.model.layers
+    if greedy_data:
+        target.model.layers = layers[:max(taps) + 1]  # restored below
+    try:
+        with progress(console or Console(quiet=True)) as bar:
+            task = bar.add_task("target features", total=len(seqs), info="")
+            for group in groups:
+                lens = [len(seqs[i]) for i in group]
+                tokens = torch.cat([seqs[i] for i in group])  # [T]
+                layout, _ = prefill_layout(list(range(len(group))), lens, tokens.device)
+                no_logits = tokens.new_empty(0) if greedy_data else None
+                logits, tapped = target(tokens, layout, logits_idx=no_logits, taps=taps)  # [T|0, V], [T, F]
+                for i, f in zip(group, tapped.split(lens)):
+                    feats[i] = f.to(torch.bfloat16)
+                    labels[i] = torch.cat([seqs[i][1:], seqs[i][-1:]]) if greedy_data else None
+                if not greedy_data:
+                    for i, y in zip(group, logits.argmax(-1).split(lens)):
+                        labels[i] = y
+                bar.advance(task, len(group))
+    finally:
+        target.model.layers = layers
     return feats, labels
 
 
@@ -238,10 +270,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad * grad_total, None, None, None, None
 
 
-def drafter_loss(drafter, target, seqs, feats, labels, starts, lens, args, gen: torch.Generator):
+def drafter_loss(drafter, target, head, seqs, feats, labels, starts, lens, args, gen: torch.Generator):
     """Decay-weighted cross-entropy of slots 1..D against the target's greedy tokens; also returns
-    the top-1 agreement of slot 1. seqs, labels [N, L]; feats [N, L, F]; starts, lens [N]: anchors are
-    drawn in [starts, lens - 2] (slot 1 always has a label); slots past the sequence's end count 0."""
+    the top-1 agreement of slot 1. head [V', H]: the rows of the target's lm_head the softmax runs over
+    (labels index them); seqs, labels [N, L]; feats [N, L, F]; starts, lens [N]: anchors are drawn in
+    [starts, lens - 2] (slot 1 always has a label); slots past the sequence's end count 0."""
     N = seqs.shape[0]
     Bs = drafter.block_size
     dev = seqs.device
@@ -257,7 +290,7 @@ def drafter_loss(drafter, target, seqs, feats, labels, starts, lens, args, gen: 
     w = torch.exp(-torch.arange(S, dtype=torch.float32, device=dev) / args.decay) * valid  # [N, A, S]
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
     total, hits = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]).to(dtype),
-                                           target.lm_head.weight, y.flatten(), w.flatten())
+                                           head, y.flatten(), w.flatten())
     loss = total / w.sum()
     acc1 = hits.view_as(y)[..., 0].float().mean()
     return loss, acc1
@@ -378,9 +411,18 @@ def main(argv=None):
             raise SystemExit(f"error: {cache} holds features of other taps or data; delete it")
         feats, labels = cached["feats"], cached["labels"]
     else:
-        feats, labels = target_features(target, seqs, drafter.taps, console)
+        source = target if args.features_dtype == "float32" else load_target(target_dir, torch.bfloat16, args.device)
+        feats, labels = target_features(source, seqs, drafter.taps, console, greedy_data=bool(args.data))
+        del source
         if cache is not None:
             torch.save({"taps": list(drafter.taps), "feats": feats, "labels": labels}, cache)
+    head = target.lm_head.weight  # [V, H]
+    if args.data_vocab:  # the softmax over V' tokens; labels become indices into them
+        vocab = torch.unique(torch.cat([*seqs, *labels]))  # [V']
+        index = torch.full((head.shape[0],), -1, dtype=torch.long, device=head.device)
+        index[vocab] = torch.arange(len(vocab), device=head.device)
+        head, labels = head[vocab], [index[y] for y in labels]
+        console.print(f"softmax over the {len(vocab)} of {len(index)} tokens that occur in the data")
     t_train = time.time()
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     warm = max(args.steps // 20, 1)
@@ -394,7 +436,7 @@ def main(argv=None):
             idx = torch.randint(0, len(seqs), (args.batch_size,), generator=gen).tolist()
             batch = pad_batch(seqs, feats, labels, starts, idx)
             with torch.autocast(torch.device(args.device).type, torch.bfloat16, enabled=args.bf16):
-                loss, acc1 = drafter_loss(drafter, target, *batch, args, gen)
+                loss, acc1 = drafter_loss(drafter, target, head, *batch, args, gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
