@@ -173,12 +173,10 @@ def target_features(target, seqs: list[torch.Tensor], taps: tuple[int, ...], con
                 layout, _ = prefill_layout(list(range(len(group))), lens, tokens.device)
                 no_logits = tokens.new_empty(0) if greedy_data else None
                 logits, tapped = target(tokens, layout, logits_idx=no_logits, taps=taps)  # [T|0, V], [T, F]
-                greedy = [torch.cat([seqs[i][1:], seqs[i][-1:]]) for i in group] if greedy_data else None
-                for i, f in zip(group, tapped.split(lens)):
-                    feats[i] = f.to(torch.bfloat16)
-                labels_of_group = greedy or logits.argmax(-1).split(lens)
-                for i, y in zip(group, labels_of_group):
-                    labels[i] = y
+                ys = ([torch.cat([seqs[i][1:], seqs[i][-1:]]) for i in group] if greedy_data
+                      else logits.argmax(-1).split(lens))
+                for i, f, y in zip(group, tapped.split(lens), ys):
+                    feats[i], labels[i] = f.to(torch.bfloat16), y
                 bar.advance(task, len(group))
     finally:
         target.model.layers = layers
