@@ -49,8 +49,9 @@ with torch.inference_mode():
     anchor = engine.prefill(list(range(B)), [Request(i, pr, 1) for i, pr in enumerate(prompts)])
     anchor_pos = torch.tensor([len(pr) for pr in prompts], device=device)
     # Step 1: draft one block per row; c[i, k] = the drafter's probability of its own draft.
-    logits = drafter(target, anchor, anchor_pos).float()  # [B, D, V]
-    top, drafts = logits.max(-1)
+    logits = drafter(target, anchor, anchor_pos).float()  # [B, D, V] (V': a drafter's draft vocabulary)
+    top, idx = logits.max(-1)
+    drafts = drafter.tokens(idx)  # token ids
     conf = torch.exp(top - torch.logsumexp(logits, -1))  # [B, D]
     # Steps 2-5: prefix scores, global top-K per rho, keep_len, gain, cost, rho*.
     log_s = dcut.prefix_scores(conf, torch.full((B,), D, device=device))

@@ -3,7 +3,11 @@
 One forward fills a whole block: slot 0 holds the anchor (the last committed token), slots 1..D hold
 mask_token_id, and each slot's argmax is a draft token. The drafter has no embedding and no lm_head: it
 borrows the target's (borrow(); in the drafter's dtype, which may differ from the target's: drafts only
-propose, the target decides, so a bf16 drafter next to an fp32 target changes speed, not the output). Its context is the target's hidden states at the tapped layers (transformers'
+propose, the target decides, so a bf16 drafter next to an fp32 target changes speed, not the output).
+A drafter may carry a draft vocabulary (`draft_vocab` [V'], token ids, an optional tensor beside z-lab's):
+it then drafts from those tokens only, its softmax over the V' rows of the lm_head it was trained with,
+and tokens() maps an index into its logits to a token id. Its context is the target's hidden states at
+the tapped layers (transformers'
 hidden_states[id + 1] for each target_layer_ids entry id: the output of layer id, after the final norm
 for the last layer), fused by fc + hidden_norm and projected by every draft layer's own k_proj / v_proj
 into a context-only KV cache. Queries come from the block only; attention is bidirectional over
@@ -81,14 +85,23 @@ class DFlashDrafter(nn.Module):
         self.attention = [(i in cfg.causal_layers, c.window(i)) for i in range(c.num_layers)]  # per layer
         self.caches = nn.ModuleList()
         self.embed = self.head = None  # the target's embedding and lm_head weights (borrow)
+        self.register_buffer("draft_vocab", None)  # [V'] token ids drafted from; None: the whole vocabulary
 
     def borrow(self, target: nn.Module) -> None:
         """Take the target's token embedding and lm_head weights in the drafter's dtype: the target's own
-        tensors when the dtypes agree, else copies made once (tied weights: one copy)."""
+        tensors when the dtypes agree, else copies made once (tied weights: one copy). With a draft
+        vocabulary the head is a copy of its rows [V', H]."""
         dt = self.norm.weight.dtype
         emb, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
         self.embed = emb.to(dt)
-        self.head = self.embed if head.data_ptr() == emb.data_ptr() else head.to(dt)
+        if self.draft_vocab is not None:
+            self.head = head[self.draft_vocab.to(head.device)].to(dt)
+        else:
+            self.head = self.embed if head.data_ptr() == emb.data_ptr() else head.to(dt)
+
+    def tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the drafter's logits -> token ids (the same without a draft vocabulary)."""
+        return idx if self.draft_vocab is None else self.draft_vocab[idx]
 
     def pack(self) -> None:
         """Pack the drafter's linear layers and its lm_head for oneDNN (eager CPU runs: layers.PackedLinear)."""
@@ -129,8 +142,9 @@ class DFlashDrafter(nn.Module):
             cache.v[row, :, pos] = v
 
     def forward(self, target: nn.Module, anchor: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
-        """Draft one block per row of the cache [0, b). anchor, anchor_pos [b] -> logits [b, D, V], with
-        the target's embedding and lm_head (as borrowed, or the target's own modules).
+        """Draft one block per row of the cache [0, b). anchor, anchor_pos [b] -> logits [b, D, V] (V' with
+        a draft vocabulary: tokens() maps them), with the target's embedding and lm_head (as borrowed,
+        or the target's own modules).
 
         The block's own K/V go into the cache at anchor_pos .. anchor_pos + D: positions that the
         next verification overwrites with real context, so no separate block cache is needed."""
@@ -144,7 +158,8 @@ class DFlashDrafter(nn.Module):
         layouts = {kind: Layout(row, pos, slot, b, Bs, block_mask(anchor_pos, Bs, S, *kind))
                    for kind in dict.fromkeys(self.attention)}
         embed, head = (self.embed, self.head) if self.embed is not None else (
-            target.model.embed_tokens.weight, target.lm_head.weight)
+            target.model.embed_tokens.weight, target.lm_head.weight if self.draft_vocab is None
+            else target.lm_head.weight[self.draft_vocab])
         x = F.embedding(block.flatten(), embed)  # [b*Bs, H]
         cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype, self.rope_scale)
         for layer, cache, kind in zip(self.layers, self.caches, self.attention):

@@ -248,7 +248,8 @@ class Engine:
         Ks = self.budgets(anchor.shape[0])
         logits = self.drafter(self.target, anchor, anchor_pos)  # [B, D, V]
         # The greedy drafts and their softmax probabilities [B, D]: one fused softmax pass, then max.
-        conf, drafts = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        conf, idx = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        drafts = self.drafter.tokens(idx)
         log_s = dcut.prefix_scores(conf, limit)  # [B, D]
         keep_len = dcut.keep_lens(log_s, Ks)  # [n_rho, B]
         gain = dcut.gains(log_s, Ks, None)  # [n_rho] expected accepted drafts, uncalibrated

@@ -140,7 +140,15 @@ def load_drafter(path: str | Path, target: Transformer, dtype: torch.dtype = tor
     check_pair(cfg, target.cfg, str(p))
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
-    load_into(drafter, read_safetensors(p), dtype, device, str(p))
+    tensors = read_safetensors(p)
+    vocab = tensors.pop("draft_vocab", None)
+    load_into(drafter, tensors, dtype, device, str(p))
+    if vocab is not None:
+        if vocab.dim() != 1 or vocab.is_floating_point() or not len(vocab) or not (
+                0 <= int(vocab.min()) and int(vocab.max()) < target.cfg.vocab_size):
+            raise CheckpointError(f"{p}: draft_vocab must be token ids of the target's vocabulary "
+                                  f"[0, {target.cfg.vocab_size}), got a {vocab.dtype} tensor of shape {list(vocab.shape)}")
+        drafter.draft_vocab = vocab.to(device=device, dtype=torch.long)
     drafter.inv_freq = rope_inv_freq(cfg.layers.head_dim, cfg.layers.rope_theta,
                                      cfg.layers.rope_scaling).to(device)
     drafter.borrow(target)

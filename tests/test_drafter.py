@@ -15,16 +15,18 @@ a second round of committed tokens (stale block K/V in its cache must not leak i
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors.torch import save_file
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from minidcut.config import ConfigError, default_target_layer_ids, load_drafter_config
 from minidcut.layers import rope_cos_sin
-from minidcut.loader import load_drafter, load_target
+from minidcut.loader import CheckpointError, load_drafter, load_target
 from minidcut.model import causal_layout, prefill_layout
 from tiny import hf_config, make_drafter, make_model
 
@@ -324,3 +326,33 @@ def test_the_drafter_layers_refuse_what_the_target_layers_refuse(tmp_path, pair)
     make_drafter(tmp_path / "d", pair[0].config, mask_token_id=MASK, hidden_act="gelu")
     with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
         load_drafter_config(tmp_path / "d")
+
+
+@torch.no_grad()
+def test_a_draft_vocabulary_drafts_from_its_rows_of_the_lm_head(tmp_path, pair):
+    """A checkpoint with `draft_vocab` (token ids) loads into a drafter whose logits are the whole
+    drafter's at those ids, whose head holds only those rows, and whose tokens() maps indices back."""
+    hf, W, _, target, full, _ = pair
+    vocab = torch.tensor([3, 7, 8, 50, 95, 2])
+    shutil.copytree(pair[5] / "drafter", tmp_path / "v")
+    save_file({**W, "draft_vocab": vocab}, str(tmp_path / "v" / "model.safetensors"))
+    small = load_drafter(tmp_path / "v", target)
+    assert torch.equal(small.draft_vocab, vocab) and small.head.shape == (6, hf.config.hidden_size)
+    prompts = [[5, 9, 13], [1, 2, 3, 4, 5, 6, 7]]
+    outs = []
+    for d in (full, small):
+        prefill(target, d, prompts)
+        outs.append(d(target, torch.tensor([4, 60]), torch.tensor([3, 7])))  # [2, D, V], [2, D, 6]
+    torch.testing.assert_close(outs[1], outs[0][..., vocab], atol=1e-6, rtol=1e-6)
+    idx = outs[1].argmax(-1)
+    assert torch.equal(small.tokens(idx), vocab[idx]) and torch.equal(full.tokens(idx), idx)
+
+
+@pytest.mark.parametrize("vocab", [torch.tensor([1.0, 2.0]), torch.tensor([3, 96]), torch.tensor([[1, 2]]),
+                                   torch.tensor([-1, 4])])
+def test_a_draft_vocabulary_that_is_not_token_ids_of_the_target_is_a_checkpoint_error(tmp_path, pair, vocab):
+    _, W, _, target, _, root = pair
+    shutil.copytree(root / "drafter", tmp_path / "v")
+    save_file({**W, "draft_vocab": vocab}, str(tmp_path / "v" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"draft_vocab must be token ids of the target's vocabulary \[0, 96\)"):
+        load_drafter(tmp_path / "v", target)

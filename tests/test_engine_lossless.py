@@ -379,6 +379,29 @@ def test_a_bf16_drafter_next_to_an_fp32_target_changes_speed_not_output(agreeing
         assert stats.tau > 1.5
 
 
+def test_a_draft_vocabulary_changes_what_can_be_drafted_not_the_output(agreeing_pair, agree_refs):
+    """A drafter with a draft vocabulary (tools/train_drafter.py --data-vocab) drafts only its tokens:
+    one holding every token the target writes keeps long accepted runs, one holding none of them gets
+    nothing accepted, and both commit exactly AR's tokens under every policy."""
+    from minidcut.drafter import DFlashDrafter
+    target, drafter = agreeing_pair
+    written = sorted({t for outs in agree_refs.values() for o in outs for t in o})
+    unwritten = [t for t in range(target.cfg.vocab_size) if t not in written][:8]
+    for vocab, tau in ((written, (1.5, 16.0)), (unwritten, (1.0, 1.0))):
+        sub = DFlashDrafter(drafter.cfg)
+        sub.load_state_dict(drafter.state_dict())
+        sub.inv_freq, sub.draft_vocab = drafter.inv_freq, torch.tensor(vocab)
+        sub.borrow(target)
+        assert sub.head.shape[0] == len(vocab)
+        for B in (1, 3):
+            for name in POLICIES:
+                outputs, stats, _ = run(target, sub.eval(), POLICIES[name](), B, agree_prompts(2 * B + 1),
+                                        AGREE_MAX_NEW)
+                assert outputs == agree_refs[B], (name, B)
+                if name == "full":
+                    assert tau[0] <= stats.tau <= tau[1], (vocab == written, B, stats.tau)
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
 def test_a_pair_packed_for_onednn_is_lossless_under_every_policy(tmp_path):
     """What api.load_pair gives on a CPU (linear layers and the drafter's head packed for oneDNN): every

@@ -107,8 +107,13 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(torch, "compile", compile_eager)
 
 
-def test_dcut_switching_rho_never_recompiles_after_warm_up(tiny_pair, fresh_dynamo, eager_backend):
-    check_no_recompile_after_warm_up(*tiny_pair)
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_dcut_switching_rho_never_recompiles_after_warm_up(tiny_pair, fresh_dynamo, eager_backend, draft_vocab):
+    target, drafter = tiny_pair
+    if draft_vocab:  # the draft graph also maps indices of a draft vocabulary to token ids
+        drafter.draft_vocab = torch.arange(0, target.cfg.vocab_size, 2)
+        drafter.borrow(target)
+    check_no_recompile_after_warm_up(target, drafter)
 
 
 def test_engine_warmup_compiles_every_graph_a_dcut_run_reaches(tiny_pair, fresh_dynamo, eager_backend):

@@ -104,7 +104,7 @@ def test_greedy_data_features_stop_at_the_last_tap_and_label_with_the_next_token
 
 
 def test_data_vocab_trains_the_softmax_over_the_datas_tokens(tmp_path, capsys):
-    from minidcut.loader import load_target
+    from minidcut.loader import load_drafter, load_target
     target_dir, _ = make_tokenized_pair(tmp_path)
     data = greedy_data(load_target(target_dir), n=8)
     torch.save(data, tmp_path / "data.pt")
@@ -116,6 +116,10 @@ def test_data_vocab_trains_the_softmax_over_the_datas_tokens(tmp_path, capsys):
     assert f"softmax over the {n} of 300 tokens" in capsys.readouterr().out
     log = json.loads((out / "train_log.json").read_text())
     assert log["final_loss_ema"] < log["first_loss"]
+    target = load_target(target_dir)
+    drafter = load_drafter(out, target)  # it drafts from the vocabulary it was trained over
+    assert drafter.draft_vocab.tolist() == sorted(set().union(*data["sequences"]))
+    assert torch.equal(drafter.head, target.lm_head.weight[drafter.draft_vocab])
 
 
 def test_linear_cross_entropy_over_a_subset_of_rows_is_the_restricted_softmax():
@@ -130,3 +134,35 @@ def test_linear_cross_entropy_over_a_subset_of_rows_is_the_restricted_softmax():
     (g1,) = torch.autograd.grad(total, hidden)
     (g2,) = torch.autograd.grad(ref, hidden)
     assert torch.allclose(g1, g2, atol=1e-5)
+
+
+def test_a_features_cache_of_the_first_sequences_is_extended_by_the_rest(tmp_path, monkeypatch):
+    """tools/distill.py grows its data file; the cache of the shorter file is reused and only the new
+    sequences go through the target. Other data is refused in one line."""
+    from minidcut.loader import load_target
+    target_dir, _ = make_tokenized_pair(tmp_path)
+    data = greedy_data(load_target(target_dir), n=8)
+    cache = tmp_path / "feats.pt"
+
+    def train(n: int, name: str):
+        torch.save({"sequences": data["sequences"][:n], "starts": data["starts"][:n]}, tmp_path / name)
+        train_drafter.main(["--target", str(target_dir), "--out", str(tmp_path / "d"), "--data",
+                            str(tmp_path / name), "--steps", "1", "--batch-size", "2", "--anchors", "2",
+                            "--layers", "1", "--taps", "1,2", "--mask-token-id", "1", "--features-cache", str(cache)])
+        return torch.load(cache)
+
+    five = train(5, "five.pt")
+    calls = []
+    target_features = train_drafter.target_features
+    monkeypatch.setattr(train_drafter, "target_features",
+                        lambda t, seqs, *a, **k: calls.append(len(seqs)) or target_features(t, seqs, *a, **k))
+    eight = train(8, "eight.pt")
+    assert calls == [3]  # only the new sequences
+    assert len(eight["feats"]) == 8
+    assert all(torch.equal(a, b) for a, b in zip(five["feats"], eight["feats"][:5]))
+    fresh, _ = target_features(load_target(target_dir), [torch.tensor(s) for s in data["sequences"]], (1, 2),
+                               greedy_data=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, eight["feats"]))  # as if made in one pass
+    data["sequences"][0] = data["sequences"][0][:-1]
+    with pytest.raises(SystemExit, match="other taps, dtype or data; delete it"):
+        train(8, "other.pt")

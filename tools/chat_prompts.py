@@ -4,7 +4,8 @@ Two sets from disjoint sources, so the held-out set measures a drafter on prompt
 
 train     instructions and coding tasks built from the Python standard library's code and docstrings
           (the train split of tools/corpus.py): write a function from its docstring, explain a function,
-          write a docstring, summarise a module's documentation, write tests, and so on.
+          write a docstring, summarise a module's documentation, write tests, and so on. Two rounds:
+          every definition once under a random template, then once more under another template.
 heldout   (a) the Python language reference shipped with the interpreter (`pydoc_data.topics`, one
           explanation request and one summary request per topic), and (b) hand-written general
           instructions and classic programming exercises (HANDWRITTEN below). Nothing in it comes from
@@ -135,9 +136,20 @@ def _without_docstring(source: str, node) -> str:
     return "\n".join(keep) if len(keep) > 1 else source
 
 
-def stdlib_tasks(rng: random.Random) -> list[str]:
-    """Every task template applied to one randomly chosen definition each, over the train split."""
-    out = []
+def stdlib_tasks(rng: random.Random, rng2: random.Random) -> tuple[list[str], list[str]]:
+    """Two tasks per definition (and module) of the train split, from two different templates.
+
+    The first task's template is drawn by `rng`, the second's by `rng2` among the other templates, so the
+    first list is the same whether or not the second is wanted (data files made from it stay valid).
+    """
+    first, second = [], []
+
+    def add(templates: list[str], **fields) -> None:
+        t = rng.choice(templates)
+        first.append(t.format(**fields))
+        i = templates.index(t)
+        second.append(templates[(i + 1 + rng2.randrange(len(templates) - 1)) % len(templates)].format(**fields))
+
     for path in corpus.list_files("train"):
         try:
             text = path.read_text(encoding="utf-8")
@@ -147,7 +159,7 @@ def stdlib_tasks(rng: random.Random) -> list[str]:
         mod_doc = ast.get_docstring(tree)
         name = path.stem if path.stem != "__init__" else path.parent.name
         if mod_doc and 40 <= len(mod_doc.split("\n\n")[0]) <= 800:
-            out.append(rng.choice(MODULE_TASKS).format(name=name, doc=mod_doc.split("\n\n")[0].strip()))
+            add(MODULE_TASKS, name=name, doc=mod_doc.split("\n\n")[0].strip())
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
                 continue
@@ -158,13 +170,12 @@ def stdlib_tasks(rng: random.Random) -> list[str]:
                 continue
             code = textwrap.dedent(source)
             if isinstance(node, ast.ClassDef):
-                out.append(rng.choice(CLASS_TASKS).format(name=node.name, summary=summary, code=code))
+                add(CLASS_TASKS, name=node.name, summary=summary, code=code)
                 continue
             args = "(" + ast.unparse(node.args) + ")"
-            out.append(rng.choice(FUNCTION_TASKS).format(
-                name=node.name, args=args, summary=summary, code=code,
-                code_nodoc=textwrap.dedent(_without_docstring(source, node))))
-    return out
+            add(FUNCTION_TASKS, name=node.name, args=args, summary=summary, code=code,
+                code_nodoc=textwrap.dedent(_without_docstring(source, node)))
+    return first, second
 
 
 def reference_tasks() -> list[str]:
@@ -187,9 +198,12 @@ def main(argv=None):
     p.add_argument("--heldout", help="write the held-out prompts here (JSONL)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    rng = random.Random(args.seed)
-    sets = {"train": stdlib_tasks(rng), "heldout": reference_tasks() + HANDWRITTEN}
-    rng.shuffle(sets["train"])
+    rng, rng2 = random.Random(args.seed), random.Random(args.seed + 1)
+    first, second = stdlib_tasks(rng, rng2)
+    rng.shuffle(first)
+    rng2.shuffle(second)
+    # The second round goes after the first, so a data file distilled from the first N prompts stays valid.
+    sets = {"train": first + second, "heldout": reference_tasks() + HANDWRITTEN}
     for name, prompts in sets.items():
         path = getattr(args, name)
         print(f"{name}: {len(prompts)} prompts" + (f" -> {path}" if path else ""))

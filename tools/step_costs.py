@@ -60,7 +60,7 @@ def parts(engine: Engine, B: int, context_len: int) -> dict:
     out = {"AR step (verify K=0)": lambda: engine.graph("verify", B, 0, kv=False)(anchor, pos, ids, None, None),
            "drafter forward": lambda: drafter(target, anchor, pos),
            "  of it: lm_head on B*D rows": lambda: linear(h, drafter.head),
-           "softmax + max over V": lambda: torch.softmax(logits.float(), -1).max(-1),
+           "softmax + max over V (or V')": lambda: torch.softmax(logits.float(), -1).max(-1),
            "selector (scores, keep_len, gains)": lambda: dcut.gains(s := dcut.prefix_scores(conf, torch.full((B,), D)), Ks, None)
            + dcut.keep_lens(s, Ks).sum(),
            "draft graph (all of the above + rho*)": lambda: engine.draft(anchor, pos, [D] * B, B)}

@@ -18,8 +18,9 @@ stops at the last tapped layer (`--features-dtype bfloat16` halves it again on C
 
 Cost. On a CPU a step's time goes mostly to the frozen lm_head (every trained slot against the whole
 vocabulary) and the draft layers. `--data-vocab` runs the training softmax over the tokens that occur in
-the data only (a sampled softmax with a fixed sample): SmolLM2's chat data uses 9,481 of 49,152 tokens.
-Inference is unchanged: drafts still come from the whole lm_head.
+the data only: SmolLM2's chat data uses 9,481 of 49,152 tokens. Those tokens are saved with the drafter
+as its draft vocabulary (`draft_vocab`), so at inference it drafts from them with the softmax it was
+trained with, and its lm_head pass shrinks by the same factor.
 
 Start: fresh weights, or `--from-target-layers`: the draft layers begin as copies of the target's last
 layers (they already turn hidden states into the lm_head's input), which lowered the loss faster on
@@ -33,8 +34,10 @@ The output directory has z-lab's key names and config keys, so minidcut loads it
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,7 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--data", default=None, help="train on this tools/distill.py data file instead of "
                    "distilling corpus windows (--sequences, --prompt-len, --seq-len, --corpus are then unused)")
     p.add_argument("--features-cache", default=None,
-                   help="keep the target's tapped features of --data in this file (made once, then reused)")
+                   help="keep the target's tapped features in this file (made once, then reused; extended "
+                        "when --data has grown since)")
     p.add_argument("--features-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the target forward that makes the tapped features (kept in bf16 either way): "
                         "bfloat16 ran 2.1x faster on a CPU with bf16 instructions; its SmolLM2 features differ "
@@ -94,7 +98,7 @@ def parse_args(argv=None):
     p.add_argument("--data-vocab", action="store_true",
                    help="train the softmax over the tokens that occur in the training data only, not the "
                         "whole vocabulary: the lm_head's share of a step falls by V / V' (SmolLM2's chat data: "
-                        "49,152 / ~9k); drafts at inference still use the whole lm_head")
+                        "49,152 / ~9k); saved as the drafter's draft vocabulary, which it then drafts from")
     p.add_argument("--loss-slots", type=int, default=None,
                    help="train only the first N draft slots (default: all D): the deep ones weigh little "
                         "under the decay but cost as much in the lm_head")
@@ -180,6 +184,41 @@ def target_features(target, seqs: list[torch.Tensor], taps: tuple[int, ...], con
                 bar.advance(task, len(group))
     finally:
         target.model.layers = layers
+    return feats, labels
+
+
+def fingerprint(seqs: list[torch.Tensor]) -> str:
+    """sha256 of the sequences' tokens and lengths: what a features cache was made from."""
+    h = hashlib.sha256(torch.tensor([len(q) for q in seqs]).numpy().tobytes())
+    for q in seqs:
+        h.update(q.cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def cached_features(args, target, seqs: list[torch.Tensor], taps: tuple[int, ...], console: Console):
+    """target_features of the training sequences, through --features-cache when given. A cache made
+    from the first n of these sequences (same taps and --features-dtype) is extended by the rest, so a
+    data file that grew since (tools/distill.py continues its file) costs only its new sequences."""
+    cache = Path(args.features_cache) if args.features_cache else None
+    key = {"taps": list(taps), "features_dtype": args.features_dtype}
+    feats, labels = [], []
+    if cache is not None and cache.is_file():
+        cached = torch.load(cache)
+        n = len(cached["feats"])
+        if ({k: cached.get(k) for k in key} != key or n > len(seqs)
+                or cached.get("fingerprint") != fingerprint(seqs[:n])):
+            raise SystemExit(f"error: {cache} holds features of other taps, dtype or data; delete it")
+        feats, labels = cached["feats"], cached["labels"]
+        console.print(f"{n} sequences' features from {cache}")
+    if len(feats) < len(seqs):
+        source = (target if args.features_dtype == "float32"
+                  else load_target(Path(args.target), torch.bfloat16, args.device))
+        new_f, new_y = target_features(source, seqs[len(feats):], taps, console, greedy_data=bool(args.data))
+        feats, labels = feats + new_f, labels + new_y
+        if cache is not None:
+            tmp = cache.with_name(cache.name + ".tmp")
+            torch.save({**key, "fingerprint": fingerprint(seqs), "feats": feats, "labels": labels}, tmp)
+            os.replace(tmp, cache)  # an interrupted save never leaves half a cache
     return feats, labels
 
 
@@ -342,7 +381,8 @@ def build_drafter(args, target, mask_id: int) -> DFlashDrafter:
 def save_drafter(drafter: DFlashDrafter, out: Path, log: dict) -> None:
     c, d = drafter.cfg.layers, drafter.cfg
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+             for k, v in drafter.state_dict().items()}  # draft_vocab stays token ids
     save_file(state, str(out / "model.safetensors"))
     config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
               "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
@@ -402,18 +442,7 @@ def main(argv=None):
         args.block_size = drafter.block_size
     else:
         drafter = build_drafter(args, target, mask_token_id(args, target_dir)).to(args.device)
-    cache = Path(args.features_cache) if args.features_cache else None
-    if cache is not None and cache.is_file():
-        cached = torch.load(cache)
-        if cached["taps"] != list(drafter.taps) or len(cached["feats"]) != len(seqs):
-            raise SystemExit(f"error: {cache} holds features of other taps or data; delete it")
-        feats, labels = cached["feats"], cached["labels"]
-    else:
-        source = target if args.features_dtype == "float32" else load_target(target_dir, torch.bfloat16, args.device)
-        feats, labels = target_features(source, seqs, drafter.taps, console, greedy_data=bool(args.data))
-        del source
-        if cache is not None:
-            torch.save({"taps": list(drafter.taps), "feats": feats, "labels": labels}, cache)
+    feats, labels = cached_features(args, target, seqs, drafter.taps, console)
     head = target.lm_head.weight  # [V, H]
     if args.data_vocab:  # the softmax over V' tokens; labels become indices into them
         vocab = torch.unique(torch.cat([*seqs, *labels]))  # [V']
@@ -421,6 +450,7 @@ def main(argv=None):
         index[vocab] = torch.arange(len(vocab), device=head.device)
         head, labels = head[vocab], [index[y] for y in labels]
         console.print(f"softmax over the {len(vocab)} of {len(index)} tokens that occur in the data")
+    drafter.draft_vocab = vocab if args.data_vocab else None  # saved with it: inference drafts from V' too
     t_train = time.time()
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     warm = max(args.steps // 20, 1)
