@@ -58,6 +58,9 @@ class FixedDrafter(torch.nn.Module):
     def add_context(self, *args, **kw):
         pass
 
+    def tokens(self, idx):
+        return idx
+
     def forward(self, target, anchor, anchor_pos):
         probs = torch.full((anchor.shape[0], self.block_size - 1, self.vocab), (1 - self.conf) / (self.vocab - 1))
         probs[..., 1] = self.conf
