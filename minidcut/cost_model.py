@@ -89,13 +89,27 @@ def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: b
     """What a table's seconds depend on: a table measured under another fingerprint is not used
     (packed: linear layers packed for oneDNN, layers.PackedLinear)."""
     def config_hash(d) -> str:
-        cfg = Path(d) / "config.json"
-        return hashlib.sha1(cfg.read_bytes()).hexdigest()[:12] if cfg.is_file() else "none"
+        key = shape_key(d)
+        return hashlib.sha1(key).hexdigest()[:12] if key else "none"
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).replace("torch.", ""),
             "drafter_dtype": str(drafter_dtype or dtype).replace("torch.", ""), "compiled": bool(compiled),
             "packed": bool(packed),
             "target_config": config_hash(target_dir), "drafter_config": config_hash(drafter_dir)}
+
+
+def shape_key(d) -> bytes:
+    """What a model directory's step costs follow from: its config.json and its checkpoint's tensor
+    names, dtypes and shapes (the safetensors header, or the shard index), so a drafter that gains a
+    draft vocabulary gets a new table and one retrained with the same shapes keeps its table."""
+    p = Path(d)
+    key = (p / "config.json").read_bytes() if (p / "config.json").is_file() else b""
+    if (p / "model.safetensors").is_file():
+        with open(p / "model.safetensors", "rb") as f:
+            key += f.read(int.from_bytes(f.read(8), "little"))
+    elif (p / "model.safetensors.index.json").is_file():
+        key += (p / "model.safetensors.index.json").read_bytes()
+    return key
 
 
 def device_name(device) -> str:
@@ -113,12 +127,10 @@ def table_path(device, target_dir, drafter_dir, dtype: torch.dtype, drafter_dtyp
         return re.sub(r"[^A-Za-z0-9._-]+", "-", str(x)).strip("-")
 
     def model(d) -> str:
-        """The directory's name, plus a hash of its full path and its config.json: no two models
+        """The directory's name, plus a hash of its full path and its shape_key: no two models
         collide, and a model retrained into the same directory with another shape gets a new table."""
         p = Path(d).resolve()
-        cfg = p / "config.json"
-        key = str(p).encode() + (cfg.read_bytes() if cfg.is_file() else b"")
-        return f"{slug(p.name)}-{hashlib.sha1(key).hexdigest()[:6]}"
+        return f"{slug(p.name)}-{hashlib.sha1(str(p).encode() + shape_key(p)).hexdigest()[:6]}"
     dtypes = [str(d).replace("torch.", "") for d in dict.fromkeys([dtype, drafter_dtype or dtype])]
     name = "__".join([slug(device_name(device)), model(target_dir), model(drafter_dir), slug("-".join(dtypes))])
     return table_dir / f"{name}.json"

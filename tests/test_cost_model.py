@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from minidcut.api import cost_table
 from minidcut.cost_model import CostTable, CostTableError, fingerprint, table_path
@@ -69,6 +70,24 @@ def test_table_path_names_device_models_and_dtype_and_changes_with_a_model_confi
     assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path) == path
     (tmp_path / "drafter" / "config.json").write_text('{"hidden_size": 64, "block_size": 8}')  # retrained
     assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path) != path
+
+
+def test_a_drafter_that_gains_a_draft_vocabulary_gets_a_new_table_and_new_weights_keep_it(tmp_path):
+    """Step costs follow the checkpoint's tensor shapes too: a draft vocabulary shrinks the draft's
+    lm_head, so the table name and fingerprint change; retrained weights of the same shapes keep both."""
+    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
+    W = make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
+
+    def keys():
+        return (table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path),
+                fingerprint("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, False))
+    before = keys()
+    save_file({k: v + 1 for k, v in W.items()}, str(tmp_path / "drafter" / "model.safetensors"))
+    assert keys() == before
+    save_file({**W, "draft_vocab": torch.arange(8)}, str(tmp_path / "drafter" / "model.safetensors"))
+    after = keys()
+    assert after[0] != before[0] and after[1]["drafter_config"] != before[1]["drafter_config"]
+    assert after[1]["target_config"] == before[1]["target_config"]
 
 
 @pytest.fixture
