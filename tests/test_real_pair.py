@@ -35,4 +35,4 @@ def test_every_policy_writes_ar_text_on_held_out_chat_prompts(drafter_dtype):
                                 compile=False).generate(prompts, 48)
             assert out == ar, (policy.label, B)
             if policy.label != "dcut":  # dcut may turn drafting off where it does not pay
-                assert stats.tau > 1.05, (policy.label, B, stats.tau)  # drafts were accepted (held-out tau 1.50)
+                assert stats.tau > 1.05, (policy.label, B, stats.tau)  # drafts were accepted (held-out tau 1.55)
