@@ -88,14 +88,14 @@ def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: b
                 drafter_dtype: torch.dtype | None = None, packed: bool = False) -> dict:
     """What a table's seconds depend on: a table measured under another fingerprint is not used
     (packed: linear layers packed for oneDNN, layers.PackedLinear)."""
-    def config_hash(d) -> str:
+    def shape_hash(d) -> str:
         key = shape_key(d)
         return hashlib.sha1(key).hexdigest()[:12] if key else "none"
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).replace("torch.", ""),
             "drafter_dtype": str(drafter_dtype or dtype).replace("torch.", ""), "compiled": bool(compiled),
             "packed": bool(packed),
-            "target_config": config_hash(target_dir), "drafter_config": config_hash(drafter_dir)}
+            "target_config": shape_hash(target_dir), "drafter_config": shape_hash(drafter_dir)}
 
 
 def shape_key(d) -> bytes:

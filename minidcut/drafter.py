@@ -7,10 +7,9 @@ propose, the target decides, so a bf16 drafter next to an fp32 target changes sp
 A drafter may carry a draft vocabulary (`draft_vocab` [V'], token ids, an optional tensor beside z-lab's):
 it then drafts from those tokens only, its softmax over the V' rows of the lm_head it was trained with,
 and tokens() maps an index into its logits to a token id. Its context is the target's hidden states at
-the tapped layers (transformers'
-hidden_states[id + 1] for each target_layer_ids entry id: the output of layer id, after the final norm
-for the last layer), fused by fc + hidden_norm and projected by every draft layer's own k_proj / v_proj
-into a context-only KV cache. Queries come from the block only; attention is bidirectional over
+the tapped layers (transformers' hidden_states[id + 1] for each target_layer_ids entry id: the output of
+layer id, after the final norm for the last layer), fused by fc + hidden_norm and projected by every draft
+layer's own k_proj / v_proj into a context-only KV cache. Queries come from the block only; attention is bidirectional over
 [context ; block]. As in z-lab's drafter, the config may make layers causal (is_causal; unset, the
 sliding layers are) and give sliding layers a window (keys less than `sliding_window` positions away).
 
@@ -95,9 +94,13 @@ class DFlashDrafter(nn.Module):
         emb, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
         self.embed = emb.to(dt)
         if self.draft_vocab is not None:
-            self.head = head[self.draft_vocab.to(head.device)].to(dt)
+            self.head = self.head_rows(head).to(dt)
         else:
             self.head = self.embed if head.data_ptr() == emb.data_ptr() else head.to(dt)
+
+    def head_rows(self, head: torch.Tensor) -> torch.Tensor:
+        """The lm_head rows [V', H] the drafter drafts from: all of them without a draft vocabulary."""
+        return head if self.draft_vocab is None else head[self.draft_vocab.to(head.device)]
 
     def tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the drafter's logits -> token ids (the same without a draft vocabulary)."""
@@ -158,8 +161,7 @@ class DFlashDrafter(nn.Module):
         layouts = {kind: Layout(row, pos, slot, b, Bs, block_mask(anchor_pos, Bs, S, *kind))
                    for kind in dict.fromkeys(self.attention)}
         embed, head = (self.embed, self.head) if self.embed is not None else (
-            target.model.embed_tokens.weight, target.lm_head.weight if self.draft_vocab is None
-            else target.lm_head.weight[self.draft_vocab])
+            target.model.embed_tokens.weight, self.head_rows(target.lm_head.weight))
         x = F.embedding(block.flatten(), embed)  # [b*Bs, H]
         cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype, self.rope_scale)
         for layer, cache, kind in zip(self.layers, self.caches, self.attention):

@@ -332,9 +332,9 @@ def test_the_drafter_layers_refuse_what_the_target_layers_refuse(tmp_path, pair)
 def test_a_draft_vocabulary_drafts_from_its_rows_of_the_lm_head(tmp_path, pair):
     """A checkpoint with `draft_vocab` (token ids) loads into a drafter whose logits are the whole
     drafter's at those ids, whose head holds only those rows, and whose tokens() maps indices back."""
-    hf, W, _, target, full, _ = pair
+    hf, W, _, target, full, root = pair
     vocab = torch.tensor([3, 7, 8, 50, 95, 2])
-    shutil.copytree(pair[5] / "drafter", tmp_path / "v")
+    shutil.copytree(root / "drafter", tmp_path / "v")
     save_file({**W, "draft_vocab": vocab}, str(tmp_path / "v" / "model.safetensors"))
     small = load_drafter(tmp_path / "v", target)
     assert torch.equal(small.draft_vocab, vocab) and small.head.shape == (6, hf.config.hidden_size)
