@@ -28,13 +28,14 @@ texts = ["def is_prime(n):\n", "class Stack:\n    def push(self, item):\n"]
 prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
 max_seq = max(map(len, prompts)) + args.max_new_tokens + drafter.block_size + 1
 print(f"loaded {args.target} + {args.drafter} ({dtype}, {device}, {'compiled' if compile else 'eager'})")
-print("dcut policy: loading its cost table (the batch sizes it lacks are measured now) ...", flush=True)
-policy = minidcut.build_policy("dcut", target=target, drafter=drafter, target_dir=args.target,
-                               drafter_dir=args.drafter, batch_size=2, compile=compile)
+# The dcut policy's cost table: rows it lacks are measured when the run first reaches their batch bucket.
+table, table_file = minidcut.load_table(target, drafter, args.target, args.drafter, compile, max_seq, log=print)
+policy = minidcut.build_policy("dcut", table=table, log=print)
 engine = minidcut.Engine(target, drafter, policy, batch_size=2, max_seq=max_seq, compile=compile,
                          on_compile=print)
 print(f"generating {args.max_new_tokens} tokens for {len(prompts)} prompts ...", flush=True)
 outputs, stats = engine.generate(prompts, args.max_new_tokens)
+minidcut.save_table(policy, table_file)  # measured rows and what the policy learned, for the next run
 for text, out in zip(texts, outputs):
     print("-" * 60)
     print(text + tok.decode(out))

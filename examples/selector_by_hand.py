@@ -16,9 +16,9 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from minidcut import Engine, Policy, load_pair, load_tokenizer  # noqa: E402
+from minidcut import Engine, Policy, load_pair, load_table, load_tokenizer  # noqa: E402
 from minidcut import dcut  # noqa: E402
-from minidcut.cost_model import CostTable, table_path  # noqa: E402
+from minidcut.cost_model import CostTable  # noqa: E402
 from minidcut.batch import Request  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -36,13 +36,12 @@ lines = [json.loads(x) for x in Path(args.prompts).read_text().splitlines() if x
 prompts = [x["input_ids"] if "input_ids" in x else tok.encode(x["prompt"], add_special_tokens=False) for x in lines]
 B, D = len(prompts), drafter.block_size - 1
 RHOS = [0.0, 0.25, 0.5, 0.75, 1.0]
-path = table_path(device, args.target, args.drafter, dtype)
-table = CostTable.load(path) if path.is_file() else None
-if table is None or table.row(B, RHOS) is None:
+max_seq = -(-(max(map(len, prompts)) + 2 * drafter.block_size) // 64) * 64
+table, path = load_table(target, drafter, args.target, args.drafter, False, max_seq)  # what a run measured
+if table.row(B, RHOS) is None:
     console.print(f"[yellow]no measured cost row for B = {B} at {path}: using an illustrative one[/]")
     table = CostTable([B], RHOS, [[1.0, 1.6, 2.2, 2.8, 3.4]], {"note": "illustrative, not measured"})
-engine = Engine(target, drafter, Policy.dcut(table, RHOS), batch_size=B,
-                max_seq=max(map(len, prompts)) + 2 * drafter.block_size, eos_ids=[], compile=False)
+engine = Engine(target, drafter, Policy.dcut(table, RHOS), batch_size=B, max_seq=max_seq, eos_ids=[], compile=False)
 
 with torch.inference_mode():
     # Prefill: every prompt into its row; the first generated token becomes the anchor.
@@ -54,12 +53,12 @@ with torch.inference_mode():
     drafts = drafter.tokens(idx)  # token ids
     conf = torch.exp(top - torch.logsumexp(logits, -1))  # [B, D]
     # Steps 2-5: prefix scores, global top-K per rho, keep_len, gain, cost, rho*.
-    log_s = dcut.prefix_scores(conf, torch.full((B,), D, device=device))
     Ks = [dcut.budget(r, B, D) for r in RHOS]
-    keep = dcut.keep_lens(log_s, Ks)  # [n_rho, B]
-    gain = dcut.gains(log_s, Ks, torch.tensor(float(B)))  # expected committed tokens per step
+    sel = dcut.select(conf, torch.full((B,), D, device=device), Ks)  # one global ranking for every rho
+    log_s, keep = sel.log_s, sel.keep_lens  # [B, D], [n_rho, B]
+    gain = engine.policy.committed(sel.gains, torch.tensor(float(B)), torch.tensor(1.0))  # expected committed tokens
     cost = torch.tensor(table.row(B, RHOS))
-    best = int(dcut.choose_rho(gain, cost))
+    best = int(engine.policy.choose(sel.gains, torch.tensor(float(B)), torch.tensor(1.0), cost))
 
 t = Table(title="c[i, k] in %: drafter confidence of each draft (row = request, column = depth k)")
 t.add_column("i")

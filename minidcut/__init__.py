@@ -5,7 +5,7 @@ confident K = rho * B * D draft positions for verification, with rho chosen per 
 measured on this machine. The output is exactly what the target alone would produce.
 """
 
-from .api import build_policy, cost_table, load_pair, load_tokenizer
+from .api import build_policy, load_pair, load_table, load_tokenizer, save_table
 from .cost_model import CostTable
 from .engine import Engine
 from .stats import Stats
@@ -13,5 +13,5 @@ from .loader import load_drafter, load_target
 from .policy import Policy, StepRecord
 from .runtime import default_compile, setup
 
-__all__ = ["setup", "load_pair", "load_tokenizer", "build_policy", "cost_table", "load_target",
+__all__ = ["setup", "load_pair", "load_tokenizer", "build_policy", "load_table", "save_table", "load_target",
            "load_drafter", "Engine", "Stats", "Policy", "StepRecord", "CostTable", "default_compile"]

@@ -3,9 +3,12 @@
     import minidcut
     minidcut.setup()                       # process-wide settings: threads, compile cache and limits
     target, drafter, device, dtype = minidcut.load_pair("models/llama-stdlib-4m", "models/llama-stdlib-4m-dflash")
-    policy = minidcut.build_policy("dcut", target=target, drafter=drafter, batch_size=8, max_seq=256)
+    table, table_file = minidcut.load_table(target, drafter, "models/llama-stdlib-4m",
+                                            "models/llama-stdlib-4m-dflash", compile=False, max_seq=256)
+    policy = minidcut.build_policy("dcut", table=table)
     engine = minidcut.Engine(target, drafter, policy, batch_size=8, max_seq=256, compile=False)
-    outputs, stats = engine.generate(prompt_ids, 64)
+    outputs, stats = engine.generate([[1, 2, 3]], 64)
+    minidcut.save_table(policy, table_file)
 """
 
 from __future__ import annotations
@@ -14,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .batch import batch_buckets
 from .cost_model import CostTable, CostTableError, fingerprint, table_path
-from .layers import PackedLinear
+from .layers import is_packed
 from .loader import load_drafter, load_target, parse_dtype
 from .policy import DEFAULT_GRID, Policy
 
@@ -99,48 +101,63 @@ def parse_policy(spec: str) -> tuple[str, float | None, str]:
     raise ValueError(f"unknown policy {spec!r} (choose from ar, full, static:R, dcut, dcut:VARIANT)")
 
 
-def cost_table(target, drafter, target_dir, drafter_dir, batch_sizes: list[int], rhos=DEFAULT_GRID,
-               path=None, compile: bool = True, context_len: int = 128, log=None, on_step=None) -> CostTable:
-    """The cost table for this (device, threads, dtype, compile, target, drafter), with a row for every
-    batch size in batch_sizes: loaded from `path` (default: its file under compile_cache/cost_tables/),
-    and the missing rows measured now (profiler.measure) and saved. A table measured under another
-    fingerprint or rho grid is not used: log(message) says so, and a new one is measured."""
+def sampling_mode(temperature: float, top_p: float) -> str:
+    """greedy, sampled or top-p: what a step's sampling costs depends on (a cost table's fingerprint)."""
+    return "greedy" if temperature == 0 else "sampled" if top_p >= 1.0 else "top-p"
+
+
+def run_fingerprint(target, drafter, target_dir, drafter_dir, compile: bool, max_seq: int,
+                    sampling: str = "greedy") -> dict:
+    """The cost-table fingerprint of a run of this pair as loaded (device, dtypes, packed weights)."""
     w, dw = target.model.embed_tokens.weight, drafter.norm.weight
-    rhos = list(rhos)
-    path = Path(path) if path else table_path(w.device, target_dir, drafter_dir, w.dtype, dw.dtype)
-    packed = any(isinstance(m, PackedLinear) for m in target.modules())
-    fp = fingerprint(w.device, target_dir, drafter_dir, w.dtype, compile, dw.dtype, packed)
+    return fingerprint(w.device, target_dir, drafter_dir, w.dtype, compile, dw.dtype, is_packed(target, drafter),
+                       max_seq, sampling)
+
+
+def load_table(target, drafter, target_dir, drafter_dir, compile: bool, max_seq: int, sampling: str = "greedy",
+               rhos=DEFAULT_GRID, path=None, log=None) -> tuple[CostTable, Path]:
+    """The cost table of this run and its file (default: under compile_cache/cost_tables/, named by
+    the run's fingerprint). Rows it lacks are measured by the run when it first reaches their bucket
+    (profiler.measure_live); save_table writes it back with what the policy learned. A file that is
+    corrupt, measured under another fingerprint or for another rho grid is not used: log(message) says
+    so in one line, and a new table replaces it when the run ends."""
+    rhos = parse_rhos(rhos)
+    fp = run_fingerprint(target, drafter, target_dir, drafter_dir, compile, max_seq, sampling)
+    path = Path(path) if path else table_path(fp, target_dir, drafter_dir)
     table = None
     if path.is_file():
-        table = CostTable.load(path)
-        theirs = table.meta.get("fingerprint")
-        if theirs != fp or table.rhos != rhos:
-            diff = ", ".join(f"{k} {theirs.get(k)} != {v}" for k, v in fp.items() if theirs.get(k) != v) \
+        try:
+            table = CostTable.load(path)
+        except CostTableError as e:
+            table, why = None, str(e)
+        else:
+            theirs = table.meta.get("fingerprint")
+            why = ", ".join(f"{k} {theirs.get(k)} != {v}" for k, v in fp.items() if theirs.get(k) != v) \
                 if isinstance(theirs, dict) else "no fingerprint"
-            if log:
-                log(f"cost table {path} does not fit this run ({diff or 'another rho grid'}): measuring a new one")
-            table = None
+            if theirs == fp and table.rhos != rhos:
+                why = f"rho grid {table.rhos} != {rhos}"
+            if why:
+                table = None
+        if table is None and log:
+            log(f"cost table {path} not used ({why}): measuring a new one")
     table = table or CostTable([], rhos, [], {"fingerprint": fp, "target": str(target_dir),
                                               "drafter": str(drafter_dir)})
-    missing = [B for B in batch_sizes if table.row(B, rhos) is None]
-    if missing:
-        from .profiler import measure
-        if log:
-            log(f"measuring step costs at B = {', '.join(map(str, missing))} for the cost table {path}")
-        measure(table, target, drafter, missing, context_len, compile=compile, on_step=on_step)
-        table.save(path)
-    return table
+    return table, path
 
 
-def build_policy(spec: str = "dcut", *, target=None, drafter=None, target_dir=None, drafter_dir=None,
-                 batch_size: int = 8, num_requests: int | None = None, rhos=DEFAULT_GRID,
-                 gain: str | None = None, calibrate: bool = True, skip_drafting: bool = True,
-                 cost_table_path=None, table: CostTable | None = None, compile: bool = True,
-                 context_len: int = 128, log=None, on_step=None) -> Policy:
-    """A Policy from a spec string (parse_policy). dcut needs a cost table with a row for every batch
-    bucket a run of `num_requests` (default: batch_size) requests at most batch_size at a time reaches:
-    cost_table() loads it and measures what is missing. gain: 'committed' (anchors counted, the
-    default) or 'accepted' (overrides the variant's). A given `table` is used as it is."""
+def save_table(policy: Policy, path) -> None:
+    """Write the policy's cost table, with the rows the run measured and what it learned online, to
+    `path` (atomically); nothing for a policy without a table."""
+    if policy.table is not None:
+        policy.table.state = policy.state
+        policy.table.save(Path(path))
+
+
+def build_policy(spec: str = "dcut", *, table: CostTable | None = None, rhos=DEFAULT_GRID,
+                 gain: str | None = None, calibrate: bool = True, skip_drafting: bool = True, log=None) -> Policy:
+    """A Policy from a spec string (parse_policy). dcut needs a cost table (load_table): it continues
+    from the online state saved in it (log(message) says so in one line when that state is unusable).
+    gain: 'committed' (anchors counted, the default) or 'accepted' (overrides the variant's)."""
     name, rho, variant = parse_policy(spec)
     if name == "ar":
         return Policy.ar()
@@ -150,20 +167,21 @@ def build_policy(spec: str = "dcut", *, target=None, drafter=None, target_dir=No
         return Policy.static(rho)
     grid = parse_rhos(rhos)
     if table is None:
-        if target is None or drafter is None or target_dir is None or drafter_dir is None:
-            raise ValueError("the dcut policy needs target, drafter, target_dir and drafter_dir for its cost table")
-        buckets = batch_buckets(batch_size)
-        holds = next(b for b in buckets if b >= min(num_requests or batch_size, batch_size))
-        need = [b for b in buckets if b <= holds]  # a run's batch shrinks through the smaller buckets
-        table = cost_table(target, drafter, target_dir, drafter_dir, need, grid, cost_table_path, compile,
-                           context_len, log, on_step)
+        raise ValueError("the dcut policy needs a cost table (load_table)")
     kw = {"calibrate": calibrate, "skip_drafting": skip_drafting, **DCUT_VARIANTS[variant]}
     if gain is not None:
         if gain not in ("committed", "accepted"):
             raise ValueError(f"gain must be 'committed' or 'accepted', got {gain!r}")
         kw["count_anchors"] = gain == "committed"
-    return Policy.dcut(table, grid, label=spec, **kw)
+    policy = Policy.dcut(table, grid, label=spec, **kw)
+    if table.state:
+        try:
+            policy.load_state(table.state)
+        except ValueError as e:
+            if log:
+                log(f"learned policy state not used: {e}")
+    return policy
 
 
-__all__ = ["load_pair", "load_tokenizer", "build_policy", "cost_table", "parse_policy", "parse_rhos",
-           "resolve_device", "CostTableError"]
+__all__ = ["load_pair", "load_tokenizer", "build_policy", "load_table", "save_table", "parse_policy", "parse_rhos",
+           "resolve_device", "run_fingerprint", "sampling_mode", "CostTableError"]

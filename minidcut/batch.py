@@ -15,7 +15,6 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
-    done: bool = False
 
     @property
     def anchor_pos(self) -> int:
@@ -33,7 +32,6 @@ class Batch:
     anchor_pos: torch.Tensor  # [rows]
     request_ids: torch.Tensor  # [rows] the sampling key of each row's request
     synced: list[int]  # per row: positions below this have the drafter's context K/V
-    stale: bool = False  # a step since the last drafting step skipped the drafter's context K/V
 
     @classmethod
     def empty(cls, rows: int, device) -> "Batch":
@@ -44,16 +42,15 @@ class Batch:
     def live(self) -> list[int]:
         return [i for i, r in enumerate(self.requests) if r is not None]
 
-    def place(self, rows: list[int], requests: list[Request], first: list[int], kv: bool) -> None:
-        """Requests enter rows after their prefill: the first token is the anchor, right after the
-        prompt; kv: whether the prefill wrote the drafter's context K/V."""
+    def place(self, rows: list[int], requests: list[Request], first: list[int]) -> None:
+        """Requests enter rows after their prefill (which wrote the drafter's context of the prompt):
+        the first token is the anchor, right after the prompt."""
         idx, dev = torch.tensor(rows, device=self.anchor.device), self.anchor.device
         self.anchor[idx] = torch.tensor(first, device=dev)
         self.anchor_pos[idx] = torch.tensor([len(r.prompt) for r in requests], device=dev)
         self.request_ids[idx] = torch.tensor([r.index for r in requests], device=dev)
         for row, r in zip(rows, requests):
-            self.requests[row], self.synced[row] = r, len(r.prompt) if kv else 0
-        self.stale = self.stale or not kv
+            self.requests[row], self.synced[row] = r, len(r.prompt)
 
     def limits(self, b: int) -> list[int]:
         """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
@@ -67,7 +64,6 @@ class Batch:
             rows += [i] * (end - self.synced[i])
             pos += range(self.synced[i], end)
             self.synced[i] = end
-        self.stale = False
         return rows, pos
 
     def move(self, src: list[int], dst: list[int]) -> None:

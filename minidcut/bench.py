@@ -25,10 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from . import cli, dcut, runtime
-from .api import build_policy, cost_table, load_pair, load_tokenizer, parse_policy
-from .batch import batch_buckets
+from .api import build_policy, load_pair, load_table, load_tokenizer, parse_policy, save_table
 from .engine import Engine
-from .policy import DEFAULT_GRID
+from .policy import Policy
 
 DEFAULT_PROMPTS = cli.MODELS / "prompts_heldout.jsonl"
 
@@ -59,17 +58,18 @@ def parse_args(argv=None):
 
 
 @torch.inference_mode()
-def selector_seconds(B: int, D: int, rhos, device, compile: bool, reps: int = 50) -> float:
-    """Time of the selector alone (prefix scores, keep_len and gain for every rho, rho*) at [B, D]."""
-    Ks = [dcut.budget(r, B, D) for r in rhos]
+def selector_seconds(policy: Policy, B: int, D: int, device, compile: bool, reps: int = 50) -> float:
+    """Time of the selector alone at [B, D]: dcut.select (prefix scores, keep_len and gain for every
+    rho) and rho* (policy.choose)."""
+    Ks = [dcut.budget(r, B, D) for r in policy.rhos]
 
-    def select(conf, limit, cost):
-        log_s = dcut.prefix_scores(conf, limit)
-        return dcut.keep_lens(log_s, Ks), dcut.choose_rho(dcut.gains(log_s, Ks, None) + B, cost)
-    fn = torch.compile(select, fullgraph=True, dynamic=False) if compile else select
+    def step(conf, limit, cost):
+        sel = dcut.select(conf, limit, Ks)
+        return sel.keep_lens, policy.choose(sel.gains, torch.tensor(float(B)), torch.tensor(1.0), cost)
+    fn = torch.compile(step, fullgraph=True, dynamic=False) if compile else step
     conf = torch.rand(B, D, device=device)
     limit = torch.full((B,), D, device=device)
-    cost = torch.ones(len(rhos), device=device)
+    cost = torch.ones(len(policy.rhos), device=device)
     for _ in range(3):
         fn(conf, limit, cost)[1].item()
     t0 = time.perf_counter()
@@ -78,16 +78,22 @@ def selector_seconds(B: int, D: int, rhos, device, compile: bool, reps: int = 50
     return (time.perf_counter() - t0) / reps
 
 
-def bench_batch(B, specs, table, target, drafter, prompts, args, console) -> list[dict]:
+def bench_batch(B, specs, target, drafter, prompts, args, console) -> tuple[list[dict], dict | None]:
+    """Every policy at batch size B over the same prompts, passes interleaved. dcut policies share one
+    cost table (its missing rows are measured in their warm-up pass); returns the records and it."""
     n = args.num_prompts or max(2 * B, 16)
     ids = (prompts * (n // len(prompts) + 1))[:n]
-    max_seq = cli.max_seq(ids, args.max_new_tokens, drafter.block_size)
+    max_seq = cli.max_seq(ids, args.max_new_tokens, drafter.block_size, target.cfg.max_position_embeddings)
+    table, table_file = None, None
+    if any(s.startswith("dcut") for s in specs):
+        table, table_file = load_table(target, drafter, args.target, args.drafter, args.compile, max_seq,
+                                       path=args.cost_table, log=console.print)
     engines, rows = {}, {}
     for spec in specs:
-        policy = build_policy(spec, table=table)
+        policy = build_policy(spec, table=table, log=console.print)
         engines[spec] = Engine(target, drafter if policy.needs_drafter else None, policy, batch_size=B,
                                max_seq=max_seq, eos_ids=[], compile=args.compile)
-        t0 = time.perf_counter()  # warm-up: compiles every graph this policy can reach
+        t0 = time.perf_counter()  # warm-up: compiles every graph this policy can reach, measures missing rows
         engines[spec].warmup()
         engines[spec].generate(ids[:B], min(args.max_new_tokens, 2 * drafter.block_size))
         rows[spec] = {"warmup_seconds": time.perf_counter() - t0, "runs": []}
@@ -115,14 +121,17 @@ def bench_batch(B, specs, table, target, drafter, prompts, args, console) -> lis
     ar = next((r["tokens_per_second"] for r in out if r["policy"] == "ar"), None)
     for r in out:
         r["speedup_vs_ar"] = r["tokens_per_second"] / ar if ar else None
-    if any(s.startswith("dcut") for s in specs):
-        sel = selector_seconds(B, drafter.block_size - 1, DEFAULT_GRID, drafter.fc.weight.device, args.compile)
+    dcut_specs = [s for s in specs if s.startswith("dcut")]
+    if dcut_specs:
+        save_table(engines[dcut_specs[0]].policy, table_file)
+        sel = selector_seconds(engines[dcut_specs[0]].policy, B, drafter.block_size - 1, drafter.fc.weight.device,
+                               args.compile)
         for r in out:
             if r["policy"].startswith("dcut"):
                 step = sum(r["seconds"].get(k, 0) for k in ("draft", "verify", "bookkeeping")) / max(r["steps"], 1)
                 r["select_seconds"] = sel
                 r["select_fraction_of_step"] = sel / step if step else None
-    return out
+    return out, table.to_json() if table is not None else None
 
 
 def print_tables(console: Console, records: list[dict]) -> None:
@@ -232,17 +241,10 @@ def run(args, console: Console) -> int:
                                                    pack=not args.compile)
     tokenizer = load_tokenizer(args.target)
     prompts, _ = cli.read_prompts(args.prompts, None, tokenizer, args.chat, args.target)
-    table = None
-    if any(s.startswith("dcut") for s in specs):
-        buckets = sorted({b for B in batch_sizes for b in batch_buckets(B)})
-        context = max(len(p) for p in prompts) + args.max_new_tokens // 2
-        with cli.status(console, "cost table") as status:
-            table = cost_table(target, drafter, args.target, args.drafter, buckets, DEFAULT_GRID, args.cost_table,
-                               args.compile, context, log=console.print,
-                               on_step=lambda B, rho: status.update(f"measuring the cost table: B={B} rho={rho:g}"))
-    records = []
+    records, tables = [], {}
     for B in batch_sizes:
-        records += bench_batch(B, specs, table, target, drafter, prompts, args, console)
+        recs, tables[str(B)] = bench_batch(B, specs, target, drafter, prompts, args, console)
+        records += recs
     print_tables(console, records)
     summary = summarize(records)
     cross = summary["crossover"]
@@ -255,7 +257,7 @@ def run(args, console: Console) -> int:
     result = {"target": args.target, "drafter": args.drafter, "device": str(device), "dtype": str(dtype),
               "drafter_dtype": str(drafter.fc.weight.dtype),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
-              "compiled": args.compile, "cost_table": table.to_json() if table else None,
+              "compiled": args.compile, "cost_tables": tables,
               "summary": summary, "records": records}
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")

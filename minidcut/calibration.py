@@ -26,6 +26,21 @@ class Calibration:
         self._accepted = {"predicted": 0.0, "realized": 0.0}
         self._seconds = {True: [0.0, 0.0], False: [0.0, 0.0]}  # drafting? -> running [measured, table]
 
+    @property
+    def state(self) -> dict:
+        return {"gain_scale": self.gain_scale, "accepted": dict(self._accepted),
+                "seconds": {"drafting": list(self._seconds[True]), "ar": list(self._seconds[False])}}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from a saved state (ValueError / KeyError / TypeError if it is not one)."""
+        gain_scale = float(state["gain_scale"])
+        accepted = {k: float(state["accepted"][k]) for k in ("predicted", "realized")}
+        seconds = {True: [float(x) for x in state["seconds"]["drafting"]],
+                   False: [float(x) for x in state["seconds"]["ar"]]}
+        if not 0 < gain_scale < float("inf") or any(len(v) != 2 for v in seconds.values()):
+            raise ValueError("calibration state out of range")
+        self.gain_scale, self._accepted, self._seconds = gain_scale, accepted, seconds
+
     def cost_scale(self, drafting: bool) -> float:
         """Measured / table seconds of recent steps of this kind; 1 before any was measured. Never
         borrowed from the other kind: a loop that is slow only while drafting would go unnoticed."""

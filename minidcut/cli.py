@@ -116,9 +116,13 @@ def model_limits(target_dir, drafter_dir=None) -> tuple[int, int, int]:
     return cfg.vocab_size, cfg.max_position_embeddings, block
 
 
-def max_seq(prompts: list[list[int]], max_new_tokens: int, block: int) -> int:
-    """Cache positions a run needs: the longest prompt, its new tokens, and one draft block."""
-    return max(map(len, prompts)) + max_new_tokens + block + 1
+def max_seq(prompts: list[list[int]], max_new_tokens: int, block: int, positions: int | None = None) -> int:
+    """Cache positions of a run: the longest prompt, its new tokens and one draft block, rounded up to
+    a multiple of 64 (within the target's `positions`) so that runs of similar lengths share a cost
+    table (attention reads every position, so a step's cost depends on it)."""
+    need = max(map(len, prompts)) + max_new_tokens + block + 1
+    rounded = -(-need // 64) * 64
+    return rounded if positions is None or rounded <= positions else need
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab: int, positions: int, block: int,

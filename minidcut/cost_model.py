@@ -1,17 +1,24 @@
-"""Cost tables: measured seconds per complete speculative step, by batch size and rho
+"""Cost tables: measured seconds per complete speculative step, by batch bucket and rho
 (docs/method.md, "Choosing rho"). rho = 0 is an AR step without drafting.
 
 A table lives in compile_cache/cost_tables/<device>__<target>__<drafter>__<dtype>.json. tools/profile.py
-measures one; the CLIs and api.build_policy measure the batch sizes a run needs that it lacks
-(profiler.py). A table is only used for what it was measured on: its `fingerprint` (device, threads,
-torch, dtype, compiled or eager, the two model configs) must match the run's, and only its own
-batch-size rows are read, never scaled to another batch size.
+measures whole tables; a run measures the rows it reaches that its table lacks, on its own rows, when
+it first steps at that bucket (profiler.measure_live). Such a row stops at the first rho whose cost
+means no larger rho can win the step it was measured on: the rest are null in the file (never chosen).
+A table is only used for what it was measured on: its `fingerprint` (device, threads, torch, dtypes,
+compiled or eager, packed, the two checkpoints' shapes, the cache's positions, greedy or sampled) must
+match the run's, and only its own rows are read, never scaled to another bucket.
+
+The same file keeps what the dcut policy learned online (`state`: calibration and skip decisions,
+policy.Policy.state), written at the end of every run, so the next process starts from it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +37,13 @@ class CostTableError(ValueError):
 class CostTable:
     batch_sizes: list[int]
     rhos: list[float]
-    seconds: list[list[float]]  # [len(batch_sizes)][len(rhos)] median step seconds (profiler.py)
+    seconds: list[list[float]]  # [len(batch_sizes)][len(rhos)] median step seconds (profiler.py); inf: not measured
     meta: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)  # the dcut policy's online state (policy.Policy.state)
 
     def __post_init__(self):
         s = np.asarray(self.seconds, dtype=float)
+        s = np.where(np.isposinf(s), 1.0, s) if s.size else s  # inf marks an unmeasured entry
         if s.size == 0 and not self.batch_sizes:
             s = s.reshape(0, len(self.rhos))
         if s.shape != (len(self.batch_sizes), len(self.rhos)):
@@ -46,7 +55,8 @@ class CostTable:
             raise CostTableError("cost table batch_sizes and rhos must be increasing")
 
     def row(self, B: int, rhos) -> list[float] | None:
-        """Seconds per step at batch size B for each of rhos; None unless all were measured at B."""
+        """Seconds per step at bucket B for each of rhos (inf where a row was cut short), None
+        without a row at B or if a rho is not in the table."""
         if B not in self.batch_sizes or any(r not in self.rhos for r in rhos):
             return None
         row = self.seconds[self.batch_sizes.index(B)]
@@ -62,11 +72,17 @@ class CostTable:
         self.seconds = [rows[b] for b in self.batch_sizes]
 
     def to_json(self) -> dict:
-        return {"batch_sizes": self.batch_sizes, "rhos": self.rhos, "seconds": self.seconds, "meta": self.meta}
+        seconds = [[None if math.isinf(x) else x for x in row] for row in self.seconds]
+        return {"batch_sizes": self.batch_sizes, "rhos": self.rhos, "seconds": seconds, "meta": self.meta,
+                "state": self.state}
 
     def save(self, path: Path) -> Path:
+        """Write atomically: a run stopped half-way leaves the previous file whole."""
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1))
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        os.replace(tmp, path)
         return path
 
     @classmethod
@@ -74,27 +90,29 @@ class CostTable:
         try:
             d = json.loads(Path(path).read_text())
             return cls([int(b) for b in d["batch_sizes"]], [float(r) for r in d["rhos"]],
-                       [[float(x) for x in row] for row in d["seconds"]], d.get("meta", {}))
+                       [[math.inf if x is None else float(x) for x in row] for row in d["seconds"]],
+                       d.get("meta", {}), d.get("state", {}))
         except FileNotFoundError:
             raise CostTableError(f"cost table {path} not found") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             if isinstance(e, CostTableError):
                 raise
-            raise CostTableError(f"cost table {path} is corrupt ({type(e).__name__}: {e}); "
-                                 "delete it and run tools/profile.py") from None
+            raise CostTableError(f"cost table {path} is corrupt ({type(e).__name__}: {e})") from None
 
 
 def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: bool,
-                drafter_dtype: torch.dtype | None = None, packed: bool = False) -> dict:
+                drafter_dtype: torch.dtype | None = None, packed: bool = False, max_seq: int = 0,
+                sampling: str = "greedy") -> dict:
     """What a table's seconds depend on: a table measured under another fingerprint is not used
-    (packed: linear layers packed for oneDNN, layers.PackedLinear)."""
+    (packed: linear layers packed for oneDNN, layers.is_packed; max_seq: the cache positions attention
+    reads; sampling: greedy, sampled or top-p)."""
     def shape_hash(d) -> str:
         key = shape_key(d)
         return hashlib.sha1(key).hexdigest()[:12] if key else "none"
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).replace("torch.", ""),
             "drafter_dtype": str(drafter_dtype or dtype).replace("torch.", ""), "compiled": bool(compiled),
-            "packed": bool(packed),
+            "packed": bool(packed), "max_seq": int(max_seq), "sampling": sampling,
             "target_config": shape_hash(target_dir), "drafter_config": shape_hash(drafter_dir)}
 
 
@@ -119,18 +137,19 @@ def device_name(device) -> str:
     return f"cpu{torch.get_num_threads()}t"
 
 
-def table_path(device, target_dir, drafter_dir, dtype: torch.dtype, drafter_dtype: torch.dtype | None = None,
-               table_dir: Path = TABLE_DIR) -> Path:
-    """The cost table's file: named by device (and threads), target, drafter and dtype (and the
-    drafter's, when it differs)."""
+def table_path(fp: dict, target_dir, drafter_dir, table_dir: Path = TABLE_DIR) -> Path:
+    """The cost table's file for a run of fingerprint fp: named by device, target, drafter, dtypes and
+    the cache's positions, plus a hash of the whole fingerprint, so runs that differ in anything a
+    step's cost depends on keep separate files."""
     def slug(x) -> str:
         return re.sub(r"[^A-Za-z0-9._-]+", "-", str(x)).strip("-")
 
     def model(d) -> str:
-        """The directory's name, plus a hash of its full path and its shape_key: no two models
-        collide, and a model retrained into the same directory with another shape gets a new table."""
+        """The directory's name, plus a hash of its full path: no two models collide."""
         p = Path(d).resolve()
-        return f"{slug(p.name)}-{hashlib.sha1(str(p).encode() + shape_key(p)).hexdigest()[:6]}"
-    dtypes = [str(d).replace("torch.", "") for d in dict.fromkeys([dtype, drafter_dtype or dtype])]
-    name = "__".join([slug(device_name(device)), model(target_dir), model(drafter_dir), slug("-".join(dtypes))])
+        return f"{slug(p.name)}-{hashlib.sha1(str(p).encode()).hexdigest()[:6]}"
+    dtypes = "-".join(dict.fromkeys([fp["dtype"], fp["drafter_dtype"]]))
+    digest = hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:8]
+    name = "__".join([slug(fp["device"]), model(target_dir), model(drafter_dir), slug(dtypes),
+                      f"seq{fp['max_seq']}-{digest}"])
     return table_dir / f"{name}.json"

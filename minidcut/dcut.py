@@ -3,55 +3,79 @@ compiled draft graph. Nothing here syncs with the host.
 
   c[i, k]      confidence of request i's draft at depth k (k = 1..D)
   s[i, k]      = prod_{j<=k} c[i, j]: the prefix score, kept in log space
-  K(rho)       = round(rho * B * D) drafts verified in total; T(rho) = B + K(rho) tokens
+  K(rho)       = round(rho * B * D) drafts verified at most; T(rho) = B + K(rho) tokens
   keep_len[i]  = how many of request i's positions are among the global top K
-  gain(rho)    = sum of the top-K scores (+ B anchors when gain counts committed tokens)
-  rho*         = argmax gain(rho) / cost(B, rho)
+  gain(rho)    = sum of the top-K scores: expected accepted drafts
+  rho*         = argmax gain(rho) / cost(B, rho), chosen by the policy (policy.Policy.choose)
+
+`select` is the one entry point: scores, one global sort, keep_len and gain of every budget from it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
 def budget(rho: float, B: int, D: int) -> int:
-    """K(rho): drafts verified in total for B requests drafting D tokens each."""
+    """K(rho): drafts verified at most for B requests drafting D tokens each."""
     return int(round(rho * B * D))
 
 
 def prefix_scores(conf: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """log s [B, D] from confidences conf [B, D]. Depths beyond limit[i] (request i may emit at most
-    limit[i] more drafts; 0 for an empty slot) score -inf so no budget is spent on them."""
+    limit[i] more drafts; 0 for an empty row) score -inf: they can never be emitted, so they are
+    never kept."""
     log_s = torch.cumsum(torch.log(conf.float().clamp_min(1e-30)), dim=1)  # [B, D], non-increasing
     depth = torch.arange(1, conf.shape[1] + 1, device=conf.device)
     return log_s.masked_fill(depth > limit[:, None], float("-inf"))
 
 
-def keep_lens(log_s: torch.Tensor, Ks: list[int]) -> torch.Tensor:
-    """keep_len [n_rho, B] for every budget in Ks, from one global ranking of the B*D scores.
-
-    keep_len[i] COUNTS request i's positions inside the global top K; it never reads which
-    positions they are. Because s is non-increasing along depth, a request's positions in any top-K
-    set are a prefix up to ties, and under ties (equal scores, e.g. confidence exactly 1.0) a count
-    of them is still a valid prefix length of the same total score. So sum(keep_len) == K exactly."""
+def ranking(log_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global ranking of the B*D scores: (scores sorted descending [B*D], rank of each position
+    [B, D]). Ties keep their flat order (stable), so the ranking is deterministic."""
     B, D = log_s.shape
-    order = torch.argsort(log_s.flatten(), descending=True, stable=True)  # [B*D]
+    top, order = torch.sort(log_s.flatten(), descending=True, stable=True)  # [B*D]
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(B * D, device=log_s.device))
+    return top, rank.view(B, D)
+
+
+def keep_lens(log_s: torch.Tensor, Ks: list[int], rank: torch.Tensor | None = None) -> torch.Tensor:
+    """keep_len [n_rho, B] for every budget in Ks: how many of request i's finite-scored positions
+    are among the global top K (rank: ranking(log_s)[1], when the caller has it).
+
+    keep_len[i] COUNTS request i's positions inside the top K; it never reads which positions they
+    are. Because s is non-increasing along depth, a request's positions in any top-K set are a prefix
+    up to ties, and under ties (equal scores, e.g. confidence exactly 1.0) a count of them is still a
+    valid prefix length of the same total score. A -inf score is never counted, so
+    sum(keep_len) = min(K, number of finite scores): the verify graph pads the rest."""
+    if rank is None:
+        rank = ranking(log_s)[1]
     K = torch.tensor(Ks, device=log_s.device)  # [n_rho]
-    inside = rank.view(1, B, D) < K.view(-1, 1, 1)  # [n_rho, B, D]
+    inside = (rank[None] < K.view(-1, 1, 1)) & torch.isfinite(log_s)[None]  # [n_rho, B, D]
     return inside.sum(dim=2)  # [n_rho, B]
 
 
-def gains(log_s: torch.Tensor, Ks: list[int], n_live: torch.Tensor | None) -> torch.Tensor:
-    """Expected accepted drafts of each budget: sum of the top-K(rho) scores [n_rho].
-    Given n_live (the number of live requests), add one anchor per live request: expected committed
-    tokens per step, which is what throughput counts and what makes rho = 0 (an AR step) comparable."""
-    top = torch.sort(log_s.flatten().exp(), descending=True).values  # [B*D]
-    csum = torch.cat([top.new_zeros(1), torch.cumsum(top, 0)])  # [B*D + 1]; csum[K] = top-K sum
-    g = csum[torch.tensor(Ks, device=log_s.device)]
-    return g if n_live is None else g + n_live
+def gains(top: torch.Tensor, Ks: list[int]) -> torch.Tensor:
+    """Expected accepted drafts of each budget [n_rho]: the sum of the top-K(rho) scores, from the
+    sorted log scores top [B*D] (ranking(log_s)[0]; exp(-inf) = 0 adds nothing)."""
+    csum = torch.cat([top.new_zeros(1), torch.cumsum(top.exp(), 0)])  # [B*D + 1]; csum[K] = top-K sum
+    return csum[torch.tensor(Ks, device=top.device)]
 
 
-def choose_rho(gain: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
-    """rho* index: argmax gain / cost (cost [n_rho], seconds per step at this batch size)."""
-    return torch.argmax(gain / cost)
+@dataclass
+class Selection:
+    """What the selector decided for every budget of the grid."""
+
+    log_s: torch.Tensor  # [B, D] log prefix scores
+    keep_lens: torch.Tensor  # [n_rho, B]
+    gains: torch.Tensor  # [n_rho] expected accepted drafts
+
+
+def select(conf: torch.Tensor, limit: torch.Tensor, Ks: list[int]) -> Selection:
+    """Steps 2-4 of a D-cut step for every budget K in Ks, from one global sort: conf [B, D] (the
+    drafter's probability of each draft), limit [B] (drafts each request can still emit)."""
+    log_s = prefix_scores(conf, limit)  # [B, D]
+    top, rank = ranking(log_s)
+    return Selection(log_s, keep_lens(log_s, Ks, rank), gains(top, Ks))

@@ -1,20 +1,25 @@
-"""The engine: continuous batching over up to B cache rows, one speculative step at a time.
+"""The engine: continuous batching over up to batch_size cache rows, one speculative step at a time.
 
-    step:  admit -> (catch up) -> draft + select -> verify + accept -> commit -> feedback
+    step:  admit -> plan -> (catch up) -> draft + select -> verify + accept -> commit -> feedback
 
-admit     waiting requests take free rows (prefill); the step runs at the smallest batch bucket that
+admit     waiting requests take free rows (prefill); the step runs at the smallest batch bucket b that
           holds the live rows (rows are compacted when the bucket can shrink)
+plan      the policy says whether this step drafts and with which costs (policy.Policy.plan). The
+          first step at a bucket whose cost row is missing measures it on the live rows first
+          (profiler.measure_live; outputs untouched)
 catch up  after steps that skipped drafting, write the drafter's missing context K/V
-draft     draft graph (one per bucket): drafter block -> confidences -> prefix scores -> keep_len and
-          gain for every rho -> rho* = argmax gain / cost. rho*.item() is the one host sync of a step
+draft     draft graph (one per bucket): drafter block -> confidences -> dcut.select (prefix scores,
+          keep_len and gain of every rho) -> rho* = Policy.choose. rho*.item() picks the verify graph
 verify    verify graph (one per (bucket, K(rho*))): pack anchor + kept prefix of every row into
-          T = B + K tokens -> target forward -> the target's (keyed) choice at every position ->
-          accept -> commit [B, block] and the drafter's context for the committed tokens
+          T = b + K tokens -> target forward -> the target's (keyed) choice at every position ->
+          accept -> commit [b, block] and the drafter's context for the committed tokens
 commit    hand each request its committed tokens, stop finished requests
 feedback  one StepRecord to the policy (calibration, skip drafting)
 
-`ar` runs the verify graph with K = 0 (one token per row) and never drafts. docs/walkthrough.md follows
-one step through this file.
+Host <-> device per step: the draft graph's inputs (limits, live count, gain scale, costs) go over in
+one copy from a staging buffer; the rho index comes back (drafting steps), then the step's tokens in
+one copy. `ar` runs the verify graph with K = 0 (one token per row) and never drafts.
+docs/walkthrough.md follows one step through this file.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dcut
+from . import profiler
 from .batch import Batch, Request, batch_buckets
-from .layers import PackedLinear
+from .dcut import budget, select
+from .layers import is_packed
 from .model import Transformer, causal_layout, prefill_layout
-from .policy import Policy, StepRecord
+from .policy import Policy, StepPlan, StepRecord
 from .sampling import accept, sample, sample_keys
 from .stats import Stats
 
@@ -56,43 +62,50 @@ class Engine:
         if self.policy.needs_drafter and drafter is None:
             raise ValueError(f"policy {self.policy.label!r} needs a drafter")
         self.drafter = drafter if self.policy.needs_drafter else None
-        self.B, self.max_seq, self.buckets = batch_size, max_seq, batch_buckets(batch_size)
+        self.batch_size, self.max_seq, self.buckets = batch_size, max_seq, batch_buckets(batch_size)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.eos = set(target.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.block = self.drafter.block_size if self.drafter is not None else 1
         self.D = self.block - 1
         self.policy.depth = self.D
         self.device = target.model.embed_tokens.weight.device
-        if compile and any(isinstance(m, PackedLinear) for m in (*target.modules(), *(drafter.modules() if drafter else ()))):
+        if compile and is_packed(target, self.drafter):
             raise ValueError("weights packed for eager CPU matmuls cannot be compiled: load with pack=False")
         self.taps = self.drafter.taps if self.drafter is not None else ()
+        # The caches are allocated once, here, at the run's rows and positions; everything that steps
+        # this engine (the profiler too) uses them, so the compiled graphs never see another tensor.
         target.setup_cache(batch_size, max_seq)
         if self.drafter is not None:
             self.drafter.setup_cache(batch_size, max_seq)
+        # The draft graph's inputs, written on the host and sent in one copy (pinned on CUDA):
+        # limit [b], n_live, gain_scale, cost [n_rho].
+        n_inputs = batch_size + 2 + len(self.policy.rhos)
+        self.staging = torch.zeros(n_inputs, pin_memory=self.device.type == "cuda")
+        self.staged = torch.zeros(n_inputs, device=self.device)
         self.compile, self.on_compile = compile, on_compile  # on_compile(message) before a graph compiles
+        self.on_measure = None  # on_measure(bucket, rho) while a missing cost row is measured
         self.graphs: dict[tuple, callable] = {}
-        self.cost_vectors: dict[int, torch.Tensor] = {}  # per bucket, for one generate() call
+        self.calls: collections.Counter = collections.Counter()  # runs of each graph (warmup checks)
 
-    def budgets(self, B: int) -> list[int]:
-        """K(rho) for every rho of the policy's grid at batch size B."""
-        return [dcut.budget(r, B, self.D) for r in self.policy.rhos] if self.drafter is not None else [0]
+    def budgets(self, b: int) -> list[int]:
+        """K(rho) for every rho of the policy's grid at bucket b."""
+        return [budget(r, b, self.D) for r in self.policy.rhos] if self.drafter is not None else [0]
 
     # ---- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, on_finish=None, on_step=None,
                  trace: bool = False):
-        """Generate for every prompt with at most B at a time; returns (outputs in input order, Stats).
-        on_finish(index, output) as each request finishes; on_step(stats, record) after each step;
-        trace: keep per drafting step the live rows' prefix scores, keep_len and accepted drafts in
-        stats.trace (an extra host copy per step: for evaluation, not for speed)."""
+        """Generate for every prompt with at most batch_size at a time; returns (outputs in input order,
+        Stats). on_finish(index, output) as each request finishes; on_step(stats, record) after each
+        step; trace: keep per drafting step the live rows' prefix scores, keep_len and accepted drafts
+        in stats.trace (an extra host copy per step: for evaluation, not for speed)."""
         self.validate(prompts, max_new_tokens)
         requests = [Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
         pending = collections.deque(requests)
-        stats = Stats(policy=self.policy.label, batch_size=self.B, requests=len(requests),
+        stats = Stats(policy=self.policy.label, batch_size=self.batch_size, requests=len(requests),
                       trace=[] if trace else None)
-        batch = Batch.empty(self.B, self.device)
-        self.cost_vectors.clear()
+        batch = Batch.empty(self.batch_size, self.device)
         while pending or batch.live:
             rec = self.step(batch, pending, stats, on_finish)
             if on_step is not None and rec is not None:
@@ -106,18 +119,23 @@ class Engine:
             return None
         b = self.bucket(batch, compact=not pending)
         rows = batch.live
-        drafting = self.drafter is not None and self.policy.draft_now(b)
-        catchup = self.catch_up(batch) if drafting and batch.stale else 0.0
+        if self.drafter is not None and self.policy.needs_row(b):
+            stats.seconds["profile"] += self.measure_row(batch, b)
+        plan = self.policy.plan(b) if self.drafter is not None else None
+        drafting = plan is not None and plan.draft
+        catchup = self.catch_up(batch) if drafting else 0.0
         t0 = time.perf_counter()
-        draft = self.draft(batch.anchor[:b], batch.anchor_pos[:b], batch.limits(b), len(rows)) if drafting else None
+        draft = self.draft(batch.anchor[:b], batch.anchor_pos[:b], batch.limits(b), len(rows), plan) if drafting else None
         K = self.budgets(b)[draft.rho_index] if drafting else 0
         t1 = time.perf_counter()
         commit, n_commit, kept = self.verify(batch, b, draft, K)
         t2 = time.perf_counter()
         self.commit(batch, commit, n_commit, draft, stats, on_finish)
-        rec = StepRecord(b, len(rows), drafting, self.policy.rhos[draft.rho_index] if K else 0.0,
-                         float(draft.gain[draft.rho_index]) if drafting else 0.0,
-                         int(n_commit[rows].sum()) - len(rows), time.perf_counter() - t0, catchup)
+        rec = StepRecord(bucket=b, n_live=len(rows), drafted=drafting,
+                         rho=self.policy.rhos[draft.rho_index] if K else 0.0,
+                         predicted=float(draft.gain[draft.rho_index]) if drafting else 0.0,
+                         accepted=int(n_commit[rows].sum()) - len(rows), seconds=time.perf_counter() - t0,
+                         catchup=catchup)
         stats.seconds.update(draft=t1 - t0 + catchup, verify=t2 - t1, bookkeeping=time.perf_counter() - t2)
         stats.add(rec, int(kept[rows].sum()), self.D, self.policy.calibration.gain_scale)
         if stats.trace is not None and drafting:  # for evaluation: scores, kept and accepted drafts
@@ -131,47 +149,58 @@ class Engine:
         if free:
             t0 = time.perf_counter()
             new = [pending.popleft() for _ in free]
-            # While drafting is off, the prefill stores only the drafter's features: the next drafting
-            # step catches their K/V up, and a request that ends before it never needs them.
-            kv = self.drafter is not None and self.policy.drafting_on(self.bucket_for(max(batch.live + free) + 1))
-            first = self.prefill(free, new, kv=kv).tolist()
-            batch.place(free, new, first, kv)
+            first = self.prefill(free, new).tolist()
+            batch.place(free, new, first)
             for row, tok in zip(free, first):
                 self.emit(batch, row, [tok], stats, on_finish)
             stats.seconds["prefill"] += time.perf_counter() - t0
 
-    def catch_up(self, batch: Batch) -> float:
-        """Before drafting after skipped steps: write the drafter's context K/V of the positions
-        committed meanwhile, from the stored features. Returns its seconds."""
+    def measure_row(self, batch: Batch, b: int) -> float:
+        """Measure the policy's missing cost row at bucket b on the live rows (their outputs and
+        positions are left as they were) and add it to the table. Returns its seconds."""
         t0 = time.perf_counter()
-        rows, pos = batch.unsynced()
-        if pos:
-            self.drafter.sync_context(torch.tensor(rows, device=self.device), torch.tensor(pos, device=self.device))
+        self.catch_up(batch)  # drafting steps need the drafter's whole context
+        row = profiler.measure_live(self, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
+                                    batch.limits(b), len(batch.live), on_step=self.on_measure)
+        self.policy.table.add_row(b, row)
         return time.perf_counter() - t0
 
-    def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, limit: list[int], n_live: int) -> Draft:
+    def catch_up(self, batch: Batch) -> float:
+        """Before drafting after skipped steps: write the drafter's context K/V of the positions
+        committed meanwhile, from the stored features. Returns its seconds (0 when nothing was missing)."""
+        t0 = time.perf_counter()
+        rows, pos = batch.unsynced()
+        if not pos:
+            return 0.0
+        self.drafter.sync_context(torch.tensor(rows, device=self.device), torch.tensor(pos, device=self.device))
+        return time.perf_counter() - t0
+
+    def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, limit: list[int], n_live: int,
+              plan: StepPlan) -> Draft:
         """Run the draft graph of bucket b = len(anchor): anchor, anchor_pos [b]; limit: drafts each row
-        can still use (0 for an empty row). Syncs once: rho* picks the verify graph."""
-        b, dev = anchor.shape[0], anchor.device
-        if b not in self.cost_vectors:  # the table's costs at b, looked up once per bucket
-            self.cost_vectors[b] = self.policy.cost_vector(b, dev)
-        out = self.graph("draft", b)(anchor, anchor_pos, torch.tensor(limit, device=dev), self.cost_vectors[b],
-                                     torch.tensor(float(n_live), device=dev),
-                                     torch.tensor(self.policy.calibration.gain_scale, device=dev))
-        rho_index = int(out[4].item())  # the one host sync of a step
+        can still use (0 for an empty row). Its other inputs go over in one copy; syncs once: rho*
+        picks the verify graph."""
+        b = anchor.shape[0]
+        n = b + 2 + len(plan.cost)
+        host = self.staging.numpy()
+        host[:b], host[b], host[b + 1], host[b + 2 : n] = limit, n_live, plan.gain_scale, plan.cost
+        inputs = self.staged[:n]
+        inputs.copy_(self.staging[:n], non_blocking=True)
+        out = self.graph("draft", b)(anchor, anchor_pos, inputs)
+        rho_index = int(out[4].item())  # the host sync of a drafting step
         # Copies: a CUDA graph's outputs are overwritten when the next graph (verify) replays.
         return Draft(*(t.clone() for t in out[:4]), rho_index=rho_index)
 
     def verify(self, batch: Batch, b: int, draft: Draft | None, K: int):
-        """Run the verify graph of bucket b with K kept drafts (an AR step without a draft) and move the
-        rows' anchors on. Returns, on the host: commit [b, block], n_commit [b] and kept drafts [b]."""
+        """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft) and
+        move the rows' anchors on. Returns, on the host: commit [b, block], n_commit [b], kept [b]."""
         keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
         # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
         # a step that did not only stores the features (see catch_up).
         fn = self.graph("verify", b, K, kv=draft is not None or self.drafter is None)
         commit, n_commit, anchor, anchor_pos = fn(batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
                                                   draft.drafts if draft else None, keep_len)
-        batch.anchor[:b], batch.anchor_pos[:b], batch.stale = anchor, anchor_pos, draft is None
+        batch.anchor[:b], batch.anchor_pos[:b] = anchor, anchor_pos
         kept = keep_len if K else torch.zeros_like(n_commit)
         host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1).cpu()  # [b, block + 2]
         return host[:, :-2], host[:, -2], host[:, -1]
@@ -193,7 +222,7 @@ class Engine:
         r.output += tokens[:n]
         stats.generated_tokens += n
         if r.output[-1] in self.eos or len(r.output) == r.max_new_tokens:
-            batch.requests[row], r.done = None, True
+            batch.requests[row] = None
             stats.finished += 1
             if on_finish is not None:
                 on_finish(r.index, r.output)
@@ -227,70 +256,78 @@ class Engine:
 
     # ---- compiled graphs -----------------------------------------------------------------------
 
-    def graph(self, kind: str, B: int, K: int = 0, kv: bool = True, note: str = ""):
+    def graph(self, kind: str, b: int, K: int = 0, kv: bool = True, note: str = ""):
         """The callable of a draft graph (kind 'draft') or of a verify graph with K kept drafts, at
-        batch bucket B (kv: whether it writes the drafter's context K/V or only stores its features).
-        Compiled ones are made on first use, announced by on_compile("compiling ... B=4 K=15" + note)."""
-        key = (kind, B, K, kv)
+        bucket b (kv: whether it writes the drafter's context K/V or only stores its features).
+        Compiled ones are made on first use, announced by on_compile("compiling ... b=4 K=15" + note)."""
+        key = (kind, b, K, kv)
         if key not in self.graphs:
             fn = self._draft if kind == "draft" else functools.partial(self._verify, K=K, kv=kv)
             if self.compile:
                 if self.on_compile is not None:
-                    self.on_compile(f"compiling {kind} graph B={B}" + (f" K={K}" if kind == "verify" else "") + note)
+                    self.on_compile(f"compiling {kind} graph b={b}" + (f" K={K}" if kind == "verify" else "") + note)
                 fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
-            self.graphs[key] = fn
+            self.graphs[key] = self.counted(key, fn)
         return self.graphs[key]
 
-    def _draft(self, anchor, anchor_pos, limit, cost, n_live, gain_scale):
+    def counted(self, key: tuple, fn):
+        def run(*args):
+            self.calls[key] += 1
+            return fn(*args)
+        return run
+
+    def _draft(self, anchor, anchor_pos, inputs):
         """Draft one block per row and run the D-cut selector for every rho of the grid.
-        anchor, anchor_pos, limit [B]; cost [n_rho]; n_live, gain_scale [] -> drafts [B, D],
-        keep_len [n_rho, B], expected accepted drafts [n_rho], log prefix scores [B, D], rho index []."""
-        Ks = self.budgets(anchor.shape[0])
-        logits = self.drafter(self.target, anchor, anchor_pos)  # [B, D, V]
-        # The greedy drafts and their softmax probabilities [B, D]: one fused softmax pass, then max.
+        anchor, anchor_pos [b]; inputs [b + 2 + n_rho]: limit [b], n_live, gain_scale, cost [n_rho]
+        -> drafts [b, D], keep_len [n_rho, b], expected accepted drafts [n_rho], log prefix scores
+        [b, D], rho index []."""
+        b = anchor.shape[0]
+        limit, n_live, gain_scale, cost = inputs[:b].long(), inputs[b], inputs[b + 1], inputs[b + 2 :]
+        logits = self.drafter(self.target, anchor, anchor_pos)  # [b, D, V]
+        # The greedy drafts and their softmax probabilities [b, D]: one fused softmax pass, then max.
         conf, idx = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        drafts = self.drafter.tokens(idx)
-        log_s = dcut.prefix_scores(conf, limit)  # [B, D]
-        keep_len = dcut.keep_lens(log_s, Ks)  # [n_rho, B]
-        gain = dcut.gains(log_s, Ks, None)  # [n_rho] expected accepted drafts, uncalibrated
-        return drafts, keep_len, gain, log_s, self.policy.choose(gain, n_live, gain_scale, cost)
+        sel = select(conf, limit, self.budgets(b))
+        rho = self.policy.choose(sel.gains, n_live, gain_scale, cost)
+        return self.drafter.tokens(idx), sel.keep_lens, sel.gains, sel.log_s, rho
 
     def _verify(self, anchor, anchor_pos, request_ids, drafts, keep_len, K: int, kv: bool = True):
-        """Pack, verify, accept (docs/method.md, "Verification"). anchor, anchor_pos, request_ids [B];
-        drafts [B, D]; keep_len [B] with sum K -> commit [B, block] (accepted drafts then the bonus),
-        n_commit [B], the new anchor and anchor_pos [B]."""
-        B, dev = anchor.shape[0], anchor.device
+        """Pack, verify, accept (docs/method.md, "Verification"). anchor, anchor_pos, request_ids [b];
+        drafts [b, D]; keep_len [b] with sum <= K -> commit [b, block] (accepted drafts then the bonus),
+        n_commit [b], the new anchor and anchor_pos [b]."""
+        b, dev = anchor.shape[0], anchor.device
         Q = min(self.block, K + 1)  # the longest row: anchor + at most min(D, K) drafts
-        T = B + K
+        T = b + K
         if K == 0:  # an AR step: one token per row
-            src = torch.arange(B, device=dev)  # [T]
+            src = torch.arange(b, device=dev)  # [T]
             tokens = anchor
         else:
-            grid = torch.cat([anchor[:, None], drafts[:, : Q - 1]], dim=1)  # [B, Q]
-            valid = torch.arange(Q, device=dev) <= keep_len[:, None]  # [B, Q]: anchor + kept prefix
-            # Dense packing: cell (i, j) goes to packed index (#valid cells before it); the others
-            # go to a dump slot T that is cut off. Exactly T cells are valid since sum(keep_len) = K.
-            dest = torch.where(valid.flatten(), valid.flatten().cumsum(0) - 1, T)  # [B*Q]
-            src = torch.zeros(T + 1, dtype=torch.long, device=dev).scatter_(
-                0, dest, torch.arange(B * Q, device=dev))[:T]  # [T] grid cell of each packed token
+            grid = torch.cat([anchor[:, None], drafts[:, : Q - 1]], dim=1)  # [b, Q]
+            valid = (torch.arange(Q, device=dev) <= keep_len[:, None]).flatten()  # [b*Q]: anchor + kept prefix
+            # Dense packing: the valid cells first, in order, then the others; the first T are verified.
+            # sum(keep_len) < K when fewer drafts can be emitted than K (dcut.keep_lens): the cells after
+            # the valid ones pad the step like rejected drafts (their K/V lies past the row's kept
+            # prefix, where nothing reads it, and acceptance stops at keep_len).
+            n_valid = valid.sum()
+            dest = torch.where(valid, valid.cumsum(0) - 1, n_valid + (~valid).cumsum(0) - 1)  # [b*Q], a permutation
+            src = torch.empty_like(dest).scatter_(0, dest, torch.arange(b * Q, device=dev))[:T]  # [T] grid cell of each
             tokens = grid.flatten()[src]  # [T]
         row, col = src // Q, src % Q
         pos = anchor_pos[row] + col  # [T]
-        layout = causal_layout(row, pos, col, B, Q, self.max_seq)
+        layout = causal_layout(row, pos, col, b, Q, self.max_seq)
         logits, taps = self.target(tokens, layout, taps=self.taps)  # [T, V], [T, n_taps*H]
         # The target's token after each packed one, drawn with the key of (request, position): the
         # same draw AR decoding makes there, so accepted drafts are exactly AR's tokens.
         keys = sample_keys(self.seed, request_ids[row], pos + 1)  # [T]
         choice = sample(logits, self.temperature, self.top_p, keys)  # [T]
-        choice_grid = torch.full((B * Q,), -1, dtype=torch.long, device=dev).index_copy(0, src, choice)
-        choice_grid = choice_grid.view(B, Q)  # [B, Q]; -1 (never a token) where nothing was verified
-        commit = torch.zeros(B, self.block, dtype=torch.long, device=dev)
+        choice_grid = torch.full((b * Q,), -1, dtype=torch.long, device=dev).index_copy(0, src, choice)
+        choice_grid = choice_grid.view(b, Q)  # [b, Q]; -1 (never a token) where nothing was verified
+        commit = torch.zeros(b, self.block, dtype=torch.long, device=dev)
         if K == 0:
-            accepted = torch.zeros(B, dtype=torch.long, device=dev)
+            accepted = torch.zeros(b, dtype=torch.long, device=dev)
         else:
-            accepted = accept(drafts[:, : Q - 1], keep_len, choice_grid)  # [B]
+            accepted = accept(drafts[:, : Q - 1], keep_len, choice_grid)  # [b]
             commit[:, : Q - 1] = drafts[:, : Q - 1]
-        bonus = choice_grid.gather(1, accepted[:, None])  # [B, 1]
+        bonus = choice_grid.gather(1, accepted[:, None])  # [b, 1]
         commit.scatter_(1, accepted[:, None], bonus)
         if self.drafter is not None:
             self.drafter.add_context(taps, row, pos, kv=kv)
@@ -300,48 +337,54 @@ class Engine:
         return commit, accepted + 1, bonus[:, 0], new_pos
 
     @torch.inference_mode()
-    def prefill(self, rows: list[int], requests: list[Request], kv: bool = True) -> torch.Tensor:
-        """Run the prompts of `requests` into cache `rows` (eager, one padded batch); returns the first
-        generated token of each [n]. kv: also write the drafter's context K/V (else only its features)."""
+    def prefill(self, rows: list[int], requests: list[Request]) -> torch.Tensor:
+        """Run the prompts of `requests` into cache `rows` (eager, one padded batch), with the drafter's
+        context for them; returns the first generated token of each [n]."""
         layout, last = prefill_layout(rows, [len(r.prompt) for r in requests], self.device)
         tokens = torch.tensor([t for r in requests for t in r.prompt], device=self.device)
         logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.taps)
         if self.drafter is not None:
-            self.drafter.add_context(taps, layout.row, layout.pos, kv=kv)
+            self.drafter.add_context(taps, layout.row, layout.pos)
         ids = torch.tensor([r.index for r in requests], device=self.device)
         pos = torch.tensor([len(r.prompt) for r in requests], device=self.device)
         return sample(logits, self.temperature, self.top_p, sample_keys(self.seed, ids, pos))
 
     def reachable(self, max_batch: int | None = None) -> list[tuple]:
-        """Keys (kind, B, K, kv) of every graph this engine's policy can reach at buckets <= max_batch."""
+        """Keys (kind, b, K, kv) of every graph this engine's policy can reach at buckets <= max_batch
+        (at a bucket without a cost row yet: every graph it could reach once the row is measured)."""
         keys = []
-        for b in (x for x in self.buckets if x <= (max_batch or self.B)):
-            skip = self.policy.skip(b) if self.drafter is not None else None
-            if self.drafter is None or 0 in self.budgets(b):  # AR steps; with a drafter: rho* = 0
+        for b in (x for x in self.buckets if x <= (max_batch or self.batch_size)):
+            if self.drafter is None:
                 keys.append(("verify", b, 0, True))
-            if skip is not None:
+                continue
+            costs, skip = self.policy.costs(b), self.policy.skip(b)
+            Ks = [K for K, c in zip(self.budgets(b), costs or self.budgets(b)) if c != float("inf")]
+            if self.policy.can_skip or costs is None:
                 keys.append(("verify", b, 0, False))  # steps that do not draft
-            if self.drafter is not None and (skip is None or skip.possible):
-                keys += [("draft", b, 0, True)] + [("verify", b, K, True) for K in self.budgets(b) if K]
+            if skip is None or skip.possible:
+                keys += [("draft", b, 0, True)] + [("verify", b, K, True) for K in Ks]  # K = 0: rho* = 0
         return keys
 
     @torch.inference_mode()
-    def warmup(self, max_batch: int | None = None) -> float:
-        """Run (and so compile) every graph reachable at buckets <= max_batch (default: all) once, on
-        empty rows; returns the seconds it took."""
+    def warmup(self, max_batch: int | None = None, calls: int = 3) -> float:
+        """Run every graph reachable at buckets <= max_batch (default: all) `calls` times on empty rows,
+        so that a compiled one is compiled, recorded as a CUDA graph and replayed before any step is
+        timed (reduce-overhead records on its second run); returns the seconds it took."""
         t0 = time.perf_counter()
         keys = self.reachable(max_batch)
         drafts = {}
         for i, (kind, b, K, kv) in enumerate(keys, 1):
-            z = [torch.zeros(b, dtype=torch.long, device=self.device) for _ in range(3)]  # fresh: never aliased
             fn = self.graph(kind, b, K, kv, note=f" ({i} of {len(keys)})")
-            if kind == "draft":
-                drafts[b] = self.draft(z[0], z[1], [0] * b, 0)
-            elif K == 0:
-                fn(*z, None, None)
-            else:
-                ri = self.budgets(b).index(K)
-                fn(*z, drafts[b].drafts, drafts[b].keep_lens[ri].clone())
+            for _ in range(calls):
+                z = [torch.zeros(b, dtype=torch.long, device=self.device) for _ in range(3)]  # fresh: never aliased
+                if kind == "draft":
+                    plan = StepPlan(True, [1.0] * len(self.policy.rhos), 1.0)
+                    drafts[b] = self.draft(z[0], z[1], [0] * b, 0, plan)
+                elif K == 0:
+                    fn(*z, None, None)
+                else:
+                    ri = self.budgets(b).index(K)
+                    fn(*z, drafts[b].drafts, drafts[b].keep_lens[ri].clone())
         return time.perf_counter() - t0
 
     def validate(self, prompts: list[list[int]], max_new_tokens: int) -> None:

@@ -19,8 +19,9 @@ from rich.live import Live
 from rich.table import Table
 
 from . import cli, runtime
-from .api import build_policy, load_pair, load_tokenizer, parse_rhos
+from .api import build_policy, load_pair, load_table, load_tokenizer, parse_rhos, sampling_mode, save_table
 from .engine import Engine
+from .explain import explain
 
 BUILTIN_PROMPTS = [
     "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
@@ -71,6 +72,9 @@ def parse_args(argv=None):
                    help="JSONL, one line per request with its index, written as requests finish and "
                         "sorted into input order at the end")
     p.add_argument("--stats", default=None, help="write the run's statistics as JSON")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="after the run, generate the same prompts with plain AR decoding in this process and "
+                        "print the speedup")
     p.add_argument("--quiet", action="store_true", help="no status, no live view, no summary, no completions")
     return p.parse_args(argv)
 
@@ -150,22 +154,22 @@ def run(args, console: Console) -> int:
                                       default=BUILTIN_PROMPTS)
     cli.check_prompts(prompts, args.max_new_tokens, vocab, positions, block, names)
     runtime.setup(args.threads)
-    max_seq = cli.max_seq(prompts, args.max_new_tokens, block)
+    max_seq = cli.max_seq(prompts, args.max_new_tokens, block, positions)
+    def log(message: str) -> None:  # a cost table or saved state that is not used: one line, even with --quiet
+        console.print(message, soft_wrap=True, highlight=False, markup=False)
     t0 = time.perf_counter()
     with cli.status(console, f"loading {args.target}", args.quiet) as status:
         target, drafter, device, dtype = load_pair(args.target, drafter_dir, args.dtype, args.device,
-                                                   args.drafter_dtype,
-                                                   pack=not args.compile)
-        policy = build_policy(
-            f"static:{args.rho}" if args.policy == "static" else args.policy, target=target, drafter=drafter,
-            target_dir=args.target, drafter_dir=drafter_dir, batch_size=args.batch_size,
-            num_requests=len(prompts), rhos=args.rhos, gain=args.gain, calibrate=not args.no_calibrate,
-            skip_drafting=not args.no_skip_drafting, cost_table_path=args.cost_table, compile=args.compile,
-            context_len=max(8, max_seq // 2), log=None if args.quiet else console.print,
-            on_step=lambda B, rho: status.update(f"measuring the cost table: B={B} rho={rho:g}"))
-        engine = Engine(target, drafter, policy, batch_size=args.batch_size, max_seq=max_seq,
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                        eos_ids=[] if args.ignore_eos else None, compile=args.compile, on_compile=status.update)
+                                                   args.drafter_dtype, pack=not args.compile)
+        table, table_file = None, None
+        if args.policy == "dcut":
+            table, table_file = load_table(target, drafter, args.target, drafter_dir, args.compile, max_seq,
+                                           sampling_mode(args.temperature, args.top_p), args.rhos,
+                                           args.cost_table, log)
+        policy = build_policy(f"static:{args.rho}" if args.policy == "static" else args.policy, table=table,
+                              rhos=args.rhos, gain=args.gain, calibrate=not args.no_calibrate,
+                              skip_drafting=not args.no_skip_drafting, log=log)
+        engine = make_engine(args, target, drafter, policy, max_seq, status.update)
         compile_seconds = engine.warmup(min(args.batch_size, len(prompts))) if args.compile else 0.0
     if not args.quiet:
         console.print(f"ready in {time.perf_counter() - t0:.1f} s: {args.target}"
@@ -174,21 +178,25 @@ def run(args, console: Console) -> int:
                       f"{policy.label}, B = {args.batch_size}")
     writer = ResultWriter(args.output, tokenizer)
     try:
-        if args.quiet:
-            outputs, stats = engine.generate(prompts, args.max_new_tokens, on_finish=writer)
-        else:
-            with Live(console=console, refresh_per_second=4, transient=True) as live:
-                outputs, stats = engine.generate(prompts, args.max_new_tokens, on_finish=writer,
-                                                 on_step=lambda s, rec: live.update(progress_line(s, rec)))
+        outputs, stats = decode(engine, prompts, args, console, writer)
     except KeyboardInterrupt:
         writer.close(complete=False)
         where = f" written to {args.output}" if args.output else " finished"
         print(f"interrupted: {len(writer.done)} of {len(prompts)} requests{where}", file=sys.stderr)
         return 130
+    finally:  # what the policy measured and learned, kept for the next run (Ctrl-C included)
+        if table_file is not None:
+            save_table(policy, table_file)
     writer.close(complete=True)
+    ar_stats = None
+    if args.compare_ar:
+        ar_engine = make_engine(args, target, None, build_policy("ar"), max_seq, None)
+        with cli.status(console, "the same prompts with AR decoding, for --compare-ar", args.quiet):
+            ar_outputs, ar_stats = ar_engine.generate(prompts, args.max_new_tokens)
     if args.stats:
         Path(args.stats).write_text(json.dumps({**stats.as_dict(), "compile_seconds": compile_seconds,
-                                                "threads": torch.get_num_threads()}, indent=1) + "\n")
+                                                "threads": torch.get_num_threads(),
+                                                **({"ar": ar_stats.as_dict()} if ar_stats else {})}, indent=1) + "\n")
     if not args.quiet:
         if tokenizer is not None:
             for p, out in list(zip(prompts, outputs))[:4]:
@@ -196,14 +204,36 @@ def run(args, console: Console) -> int:
                 console.print(tokenizer.decode(p) + tokenizer.decode(out), markup=False, highlight=False)
             console.rule()
         console.print(summary_table(stats))
+        for line in explain(stats, policy, table_file):
+            console.print(line, highlight=False)
+        if ar_stats is not None:
+            same = "the same tokens" if ar_outputs == outputs else "DIFFERENT tokens (report this)"
+            console.print(f"AR in this process: {ar_stats.as_dict()['tokens_per_second']:.1f} tok/s, {same}; "
+                          f"{policy.label} is {stats.as_dict()['tokens_per_second'] / ar_stats.as_dict()['tokens_per_second']:.2f}x AR")
     return 0
+
+
+def make_engine(args, target, drafter, policy, max_seq: int, on_compile) -> Engine:
+    return Engine(target, drafter, policy, batch_size=args.batch_size, max_seq=max_seq,
+                  temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                  eos_ids=[] if args.ignore_eos else None, compile=args.compile, on_compile=on_compile)
+
+
+def decode(engine: Engine, prompts, args, console: Console, writer):
+    """engine.generate with a live progress line (and the cost-table rows being measured on it)."""
+    if args.quiet:
+        return engine.generate(prompts, args.max_new_tokens, on_finish=writer)
+    with Live(console=console, refresh_per_second=4, transient=True) as live:
+        engine.on_measure = lambda b, rho: live.update(f"measuring the cost table's row for bucket {b}: rho {rho:g} done")
+        return engine.generate(prompts, args.max_new_tokens, on_finish=writer,
+                               on_step=lambda s, rec: live.update(progress_line(s, rec)))
 
 
 def progress_line(stats, rec) -> str:
     d = stats.as_dict()
     return (f"requests {stats.finished}/{stats.requests}  steps {stats.steps}  tokens {d['generated_tokens']}  "
             f"tok/s {d['tokens_per_second']:.1f}  tau {d['tau']:.2f}  keep {d['keep_ratio']:.2f}  "
-            f"B {rec.batch_size}  rho {rec.rho:g}")
+            f"bucket {rec.bucket}  rho {rec.rho:g}")
 
 
 def main(argv=None) -> int:

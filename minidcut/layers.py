@@ -216,6 +216,12 @@ def pack_linears(module: nn.Module) -> None:
             pack_linears(child)
 
 
+def is_packed(*modules: nn.Module | None) -> bool:
+    """Whether any of `modules` holds linear layers packed for oneDNN (eager only; cost tables are
+    measured apart for packed and plain weights)."""
+    return any(isinstance(m, PackedLinear) for mod in modules if mod is not None for m in mod.modules())
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()

@@ -3,12 +3,14 @@
   ar       no drafter, one token per step
   full     rho = 1: verify every drafted position (the DFlash baseline, fixed depth D)
   static   one fixed rho: the global top K = round(rho * B * D) drafts
-  dcut     rho* = argmax gain(rho) / cost(B, rho) every step, from a cost table measured on this machine
+  dcut     rho* = argmax gain(rho) / cost(b, rho) every step, from a cost table measured on this machine
            (docs/method.md, "Choosing rho"), with two online extensions that each can be switched off:
            calibration.py (the drafter's confidences and the table's seconds, corrected by what steps
-           realize) and skipping.py (whether to draft at all at this batch size).
+           realize) and skipping.py (whether to draft at all at this bucket).
 
-The engine reports every step to the policy as one StepRecord.
+The engine asks the policy once per step what to run (plan -> StepPlan) and reports the step back as
+one StepRecord (observe). What dcut learns online is its `state`, which the CLIs keep beside the cost
+table so the next process starts from it.
 """
 
 from __future__ import annotations
@@ -25,10 +27,19 @@ DEFAULT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 @dataclass
+class StepPlan:
+    """What one step runs, as the policy decided it before the step."""
+
+    draft: bool  # run the drafter (False: an AR step)
+    cost: list[float]  # the draft graph's cost input [n_rho]: seconds per step at the bucket
+    gain_scale: float  # calibrated / raw expected accepted drafts (calibration.py)
+
+
+@dataclass
 class StepRecord:
     """One decode step as the engine ran it."""
 
-    batch_size: int  # the batch bucket B the step ran at
+    bucket: int  # the batch bucket b the step ran at
     n_live: int  # live requests in it
     drafted: bool  # a drafting step; False: an AR step (no draft)
     rho: float = 0.0  # the verified budget ratio (0: nothing kept)
@@ -39,7 +50,7 @@ class StepRecord:
 
 
 class Policy:
-    """The paper's rule: a rho grid, the table's costs at the batch size, and rho* = argmax gain / cost."""
+    """The paper's rule: a rho grid, the table's costs at the bucket, and rho* = argmax gain / cost."""
 
     def __init__(self, name: str, rhos, table: CostTable | None = None, *, count_anchors: bool = True,
                  calibrate: bool = False, skip_drafting: bool = False, label: str | None = None, **skip_kw):
@@ -54,9 +65,8 @@ class Policy:
         self.depth = 15  # D of the drafter it runs with: the engine sets it
         self.label = label or (f"static:{self.rhos[0]:g}" if name == "static" else name)
         self.calibration = Calibration(enabled=calibrate)
-        self.skipping = None  # SkipDrafting per batch size, when drafting may be skipped
-        if skip_drafting and name == "dcut" and self.rhos[0] == 0.0 and len(self.rhos) > 1:
-            self.skipping = {}
+        self.can_skip = skip_drafting and name == "dcut" and self.rhos[0] == 0.0 and len(self.rhos) > 1
+        self.skipping: dict[int, SkipDrafting] = {}  # per bucket, when drafting may be skipped
         self._skip_kw = skip_kw
 
     @classmethod
@@ -81,57 +91,79 @@ class Policy:
     def needs_drafter(self) -> bool:
         return self.name != "ar"
 
-    def costs(self, B: int) -> list[float] | None:
-        """cost(B, rho) for the grid, from the table's row for B (None if it has none); flat without a
-        table (fixed policies have nothing to choose)."""
+    def needs_row(self, bucket: int) -> bool:
+        """Whether the table lacks the costs this policy needs to decide at `bucket` (the engine then
+        measures them, profiler.measure_live)."""
+        return self.table is not None and self.table.row(bucket, self.rhos) is None
+
+    def costs(self, bucket: int) -> list[float] | None:
+        """cost(b, rho) for the grid (inf: not measured because it cannot win, cost_model.py), None
+        without a row at b; flat without a table (fixed policies have nothing to choose)."""
         if self.table is None:
             return [1.0] * len(self.rhos)
-        return self.table.row(B, self.rhos)
+        return self.table.row(bucket, self.rhos)
 
-    def cost_vector(self, B: int, device) -> torch.Tensor:
-        """The draft graph's cost input [n_rho]. When drafting can be skipped, a drafting step has
-        already paid for its draft: rho = 0 then costs what the smallest rho > 0 does."""
-        costs = list(self.costs(B) or [1.0] * len(self.rhos))
-        if self.skipping is not None:
-            costs[0] = costs[1]
-        return torch.tensor(costs, dtype=torch.float32, device=device)
+    def skip(self, bucket: int) -> SkipDrafting | None:
+        """The skip-drafting controller of a bucket (learned per bucket), None if drafting is never
+        skipped or the bucket has no costs yet."""
+        if not self.can_skip or self.costs(bucket) is None:
+            return None
+        if bucket not in self.skipping:
+            self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.costs(bucket), self.calibration,
+                                                 self.depth, **self._skip_kw)
+        return self.skipping[bucket]
+
+    def plan(self, bucket: int) -> StepPlan:
+        """What the next step at `bucket` runs: whether it drafts (never without the bucket's costs),
+        and the draft graph's inputs. Called once per step: a skipped step counts toward the next probe."""
+        costs = self.costs(bucket)
+        skip = self.skip(bucket)
+        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now())
+        cost = list(costs or [1.0] * len(self.rhos))
+        if skip is not None:  # the draft is paid once drafting: rho = 0 then costs what the smallest rho does
+            cost[0] = cost[1]
+        return StepPlan(draft, cost, self.calibration.gain_scale)
+
+    def committed(self, gain: torch.Tensor, n_live: torch.Tensor, gain_scale: torch.Tensor) -> torch.Tensor:
+        """What a step is worth: expected accepted drafts gain [n_rho], calibrated by gain_scale, plus
+        one anchor per live request (the accepted-only variant leaves the anchors out)."""
+        return gain_scale * gain + (n_live if self.count_anchors else 0.0)
 
     def choose(self, gain: torch.Tensor, n_live: torch.Tensor, gain_scale: torch.Tensor,
                cost: torch.Tensor) -> torch.Tensor:
-        """rho* index (in the graph): argmax of expected committed tokens per second. gain [n_rho]:
-        expected accepted drafts; calibrated by gain_scale; plus one anchor per live request."""
-        committed = gain_scale * gain + (n_live if self.count_anchors else 0.0)
-        return torch.argmax(committed / cost)
+        """rho* index (in the graph): argmax of expected committed tokens per second, cost [n_rho]
+        seconds per step at the bucket."""
+        return torch.argmax(self.committed(gain, n_live, gain_scale) / cost)
 
-    def skip(self, B: int) -> SkipDrafting | None:
-        """The skip-drafting controller of batch size B (learned per B), None if drafting is never skipped."""
-        if self.skipping is None:
-            return None
-        if B not in self.skipping:
-            self.skipping[B] = SkipDrafting(B, self.rhos, self.costs(B), self.calibration, self.depth,
-                                            **self._skip_kw)
-        return self.skipping[B]
-
-    def draft_now(self, B: int) -> bool:
-        """Whether the next step at batch size B drafts (never at a B without measured costs)."""
-        skip = self.skip(B)
-        return self.drafting_on(B) if skip is None else skip.draft_now()
-
-    def drafting_on(self, B: int) -> bool:
-        """Whether drafting is on at B (False while a skip controller keeps it off)."""
-        skip = self.skip(B)
-        return self.needs_drafter and self.costs(B) is not None if skip is None else skip.state == "drafting"
-
-    def observe(self, rec) -> None:
-        """Learn from one step: calibration, then the skip decision of its batch size."""
-        costs = self.costs(rec.batch_size)
+    def observe(self, rec: StepRecord) -> None:
+        """Learn from one step: calibration, then the skip decision of its bucket."""
+        costs = self.costs(rec.bucket)
         if costs is not None:
             self.calibration.observe(rec, dict(zip(self.rhos, costs)))
-        if self.skip(rec.batch_size) is not None:
-            self.skipping[rec.batch_size].observe(rec)
+        skip = self.skip(rec.bucket)
+        if skip is not None:
+            skip.observe(rec)
+
+    @property
+    def state(self) -> dict:
+        """What this policy learned online, as JSON-able data (load_state takes it back)."""
+        return {"calibration": self.calibration.state,
+                "skipping": {str(b): s.state_dict for b, s in sorted(self.skipping.items())}}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from a saved `state`; ValueError (one line) if it is not one."""
+        try:
+            self.calibration.load_state(state["calibration"])
+            for b, s in state["skipping"].items():
+                skip = self.skip(int(b))
+                if skip is not None:
+                    skip.load_state(s)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            self.reset()
+            raise ValueError(f"not a saved policy state ({type(e).__name__}: {e})") from None
 
     def reset(self) -> None:
         """Forget everything learned online."""
         self.calibration.reset()
-        if self.skipping is not None:
-            self.skipping.clear()
+        self.skipping.clear()
+

@@ -1,63 +1,31 @@
-"""Measure complete speculative steps (draft + select + verify + accept) per (batch size, rho): the
-numbers a cost table holds. Used by tools/profile.py and by api.cost_table, which measures the batch
-sizes a run needs that its table lacks."""
+"""Measure complete speculative steps (draft + select + verify + accept; rho = 0 an AR step without
+drafting) per (bucket, rho): the numbers a cost table holds (cost_model.py). Every timed step runs on the
+engine of the run, so it reads the same caches at the same positions through the same graphs.
+
+measure_live  a run's first step at a bucket whose row is missing: each rho timed on the live rows
+              themselves. Positions do not advance and nothing is emitted: what a timed step writes
+              into the caches lies at or past each row's anchor, which the next real step writes again
+              before anything reads it, so the output is unchanged. Rhos go up from the smallest; the
+              row stops where even the largest budget's gain (this step's confidences) at the last
+              measured cost cannot beat the best rate measured so far, since costs only grow with rho.
+              The rest stay unmeasured (inf: never chosen).
+measure       tools/profile.py: whole rows on random context, the rhos taking turns.
+"""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from datetime import datetime, timezone
 
 import torch
 
-from .cost_model import CostTable
 from .batch import Request
-from .engine import Engine
-from .policy import Policy
+from .cost_model import CostTable
+from .policy import StepPlan
 
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.inference_mode()
-def time_steps(engine: Engine, B: int, context_len: int, repeats: int = 10, warmup: int = 2,
-               on_step=None) -> list[list[float]]:
-    """Seconds of one step at batch size B for every rho of engine.policy.rhos, all B rows live at
-    `context_len` tokens of random context: [n_rho][repeats]. rho = 0 is an AR step (no drafting).
-    Positions do not advance, so every repeat sees the same context length. The rhos take turns (one
-    step each, round after round), so a machine that slows down for a while slows every rho alike, not
-    the one being timed then. on_step(rho) after every step, warm-up included."""
-    dev, V = engine.device, engine.target.cfg.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, V, (B, context_len), generator=gen).tolist()
-    anchor = engine.prefill(list(range(B)), [Request(i, p, 1) for i, p in enumerate(prompts)])
-    anchor_pos = torch.full((B,), context_len, dtype=torch.long, device=dev)
-    ids = torch.arange(B, device=dev)
-    rhos, Ks = engine.policy.rhos, engine.budgets(B)
-
-    def step(ri: int) -> float:
-        _sync(dev)
-        t0 = time.perf_counter()
-        if Ks[ri] == 0:  # a step that skips drafting
-            commit = engine.graph("verify", B, 0, kv=False)(anchor, anchor_pos, ids, None, None)[0]
-        else:
-            draft = engine.draft(anchor, anchor_pos, [engine.D] * B, B)  # syncs on rho*, as a real step
-            commit = engine.graph("verify", B, Ks[ri])(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri])[0]
-        commit.cpu()
-        if on_step is not None:
-            on_step(rhos[ri])
-        return time.perf_counter() - t0
-
-    for ri in range(len(rhos)):  # warm-up (and compilation) first, rho by rho
-        for _ in range(warmup):
-            step(ri)
-    out = [[] for _ in rhos]
-    for _ in range(repeats):
-        for ri in range(len(rhos)):
-            out[ri].append(step(ri))
-    return out
+REPLAYED = 3  # runs after which a graph is compiled, recorded and replayed (engine.warmup)
 
 
 def nondecreasing(xs: list[float]) -> list[float]:
@@ -73,16 +41,101 @@ def nondecreasing(xs: list[float]) -> list[float]:
     return [s / n for s, n in blocks for _ in range(n)]
 
 
-def measure(table: CostTable, target, drafter, batch_sizes: list[int], context_len: int, repeats: int = 10,
-            warmup: int = 2, compile: bool = True, on_step=None) -> None:
-    """Measure the rows of `batch_sizes` into `table` (for its rhos): median step seconds per rho, made
-    nondecreasing in rho over the drafting steps (rho > 0; the raw medians and the spread go to the
-    table's metadata). on_step(B, rho) after every step."""
-    rhos = table.rhos
-    policy = Policy("static", rhos, label="profile")  # every budget of the grid, no online state
-    engine = Engine(target, drafter, policy, batch_size=max(batch_sizes), max_seq=context_len + drafter.block_size + 8,
-                    compile=compile)
-    n_ar = sum(r == 0.0 for r in rhos)  # the AR step (rho = 0) is another kind of step: left as is
+def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, ri: int):
+    """Seconds of one step at the grid's rho index ri on rows [0, b) (K = 0: a step without a draft),
+    and its Draft (None for K = 0). Nothing advances: the rows' anchors and positions are not touched."""
+    b, dev = anchor.shape[0], anchor.device
+    K = engine.budgets(b)[ri]
+    plan = StepPlan(True, [1.0] * len(engine.policy.rhos), 1.0)  # costs do not change the work
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    draft = None
+    if K == 0:
+        commit = engine.graph("verify", b, 0, kv=False)(anchor, anchor_pos, ids, None, None)[0]
+    else:
+        draft = engine.draft(anchor, anchor_pos, limit, n_live, plan)  # syncs on rho*, as a real step
+        commit = engine.graph("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri])[0]
+    commit.cpu()
+    return time.perf_counter() - t0, draft
+
+
+@torch.inference_mode()
+def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, repeats: int = 1,
+                 on_step=None) -> list[float]:
+    """The cost row [n_rho] of bucket b = len(anchor) measured on these live rows (module docstring):
+    per rho one untimed step unless its graphs already replay, then the median of `repeats`.
+    on_step(b, rho) after every step."""
+    b, rhos, policy = anchor.shape[0], engine.policy.rhos, engine.policy
+    Ks = engine.budgets(b)
+
+    def cell(ri: int) -> float:
+        keys = [("verify", b, Ks[ri], Ks[ri] > 0)] + ([("draft", b, 0, True)] if Ks[ri] else [])
+        warm = any(engine.calls[k] < REPLAYED for k in keys)
+        times = [timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri)[0]
+                 for _ in range(warm + repeats)][warm:]
+        if on_step is not None:
+            on_step(b, rhos[ri])
+        return statistics.median(times)
+
+    row = [math.inf] * len(rhos)
+    drafting = [ri for ri, K in enumerate(Ks) if K > 0]
+    for ri in (ri for ri, K in enumerate(Ks) if K == 0):
+        row[ri] = cell(ri)
+    if not drafting:
+        return row
+    gain = timed_step(engine, anchor, anchor_pos, ids, limit, n_live, drafting[-1])[1].gain.tolist()
+    scale = torch.tensor(policy.calibration.gain_scale)
+    rate = [float(policy.committed(torch.tensor(g), torch.tensor(float(n_live)), scale)) for g in gain]
+    best = max((rate[ri] / row[ri] for ri in range(len(rhos)) if Ks[ri] == 0), default=0.0)
+    for ri in drafting:
+        row[ri] = cell(ri)
+        best = max(best, rate[ri] / row[ri])
+        if rate[drafting[-1]] / row[ri] <= best and ri != drafting[-1]:
+            break  # no larger budget can win: it costs at least row[ri] and gains at most the largest
+    measured = [ri for ri in drafting if not math.isinf(row[ri])]
+    for ri, x in zip(measured, nondecreasing([row[ri] for ri in measured])):
+        row[ri] = x
+    return row
+
+
+@torch.inference_mode()
+def time_steps(engine, B: int, context_len: int, repeats: int = 10, warmup: int = 2,
+               on_step=None) -> list[list[float]]:
+    """Seconds of one step at bucket B for every rho of engine.policy.rhos, all B rows live at
+    `context_len` tokens of random context: [n_rho][repeats]. The rhos take turns (one step each,
+    round after round), so a machine that slows down for a while slows every rho alike, not the one
+    being timed then. on_step(rho) after every step, warm-up included."""
+    dev, V, D = engine.device, engine.target.cfg.vocab_size, engine.D
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, V, (B, context_len), generator=gen).tolist()
+    anchor = engine.prefill(list(range(B)), [Request(i, p, 1) for i, p in enumerate(prompts)])
+    anchor_pos = torch.full((B,), context_len, dtype=torch.long, device=dev)
+    ids = torch.arange(B, device=dev)
+    rhos = engine.policy.rhos
+
+    def step(ri: int) -> float:
+        seconds = timed_step(engine, anchor, anchor_pos, ids, [D] * B, B, ri)[0]
+        if on_step is not None:
+            on_step(rhos[ri])
+        return seconds
+
+    for ri in range(len(rhos)):  # warm-up (and compilation) first, rho by rho
+        for _ in range(warmup):
+            step(ri)
+    out = [[] for _ in rhos]
+    for _ in range(repeats):
+        for ri in range(len(rhos)):
+            out[ri].append(step(ri))
+    return out
+
+
+def measure(table: CostTable, engine, batch_sizes: list[int], context_len: int, repeats: int = 10,
+            warmup: int = 2, on_step=None) -> None:
+    """Measure the rows of `batch_sizes` into `table` with `engine` (its policy's grid must be the
+    table's): median step seconds per rho, made nondecreasing in rho over the drafting steps (rho > 0;
+    the raw medians and the spread go to the table's metadata). on_step(B, rho) after every step."""
+    n_ar = sum(r == 0.0 for r in table.rhos)  # the AR step (rho = 0) is another kind of step: left as is
     raw, spread = table.meta.setdefault("raw_seconds", {}), table.meta.setdefault("relative_spread", {})
     for B in batch_sizes:
         times = time_steps(engine, B, context_len, repeats, warmup,
@@ -93,11 +146,3 @@ def measure(table: CostTable, target, drafter, batch_sizes: list[int], context_l
         spread[str(B)] = [(max(t) - min(t)) / statistics.median(t) for t in times]
     table.meta.update(context_len=context_len, repeats=repeats,
                       date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-
-
-def profile(target, drafter, batch_sizes: list[int], rhos: list[float], context_len: int, repeats: int = 10,
-            warmup: int = 2, compile: bool = True, on_step=None, meta=None) -> CostTable:
-    """A new cost table measured on this machine for every (batch size, rho)."""
-    table = CostTable([], list(rhos), [], dict(meta or {}))
-    measure(table, target, drafter, batch_sizes, context_len, repeats, warmup, compile, on_step)
-    return table

@@ -27,6 +27,9 @@ RUN_DECAY = 0.98  # memory of the drafting-vs-AR sum: ~50 steps (one step's acce
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
 
 
+STATE = ("state", "margin", "drafting_steps", "skipped", "catchup", "accepted")  # what is saved
+
+
 class SkipDrafting:
     def __init__(self, B: int, rhos: list[float], costs: list[float] | None, calibration, D: int = 15,
                  patience: int = 4, probe_every: int = 16):
@@ -42,6 +45,21 @@ class SkipDrafting:
         self.skipped = 0  # AR steps since drafting went off
         self.catchup = 0.0  # seconds the last probe spent catching the drafter's context up
         self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
+        self.period = self.probe_period()
+
+    @property
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in STATE}
+
+    def load_state(self, saved: dict) -> None:
+        """Continue from a saved state_dict (KeyError / ValueError / TypeError if it is not one). A
+        bucket whose table now says drafting is impossible stays off."""
+        if saved["state"] not in ("drafting", "off", "probing"):
+            raise ValueError(f"unknown skip state {saved['state']!r}")
+        self.state = saved["state"] if self.possible else "off"
+        self.margin, self.catchup = float(saved["margin"]), float(saved["catchup"])
+        self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
+        self.accepted = [float(x) for x in saved["accepted"]][:2]
         self.period = self.probe_period()
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:

@@ -26,6 +26,7 @@ class Stats:
     drafting_request_steps: int = 0  # live requests summed over drafting steps
     rho_hist: collections.Counter = field(default_factory=collections.Counter)
     bucket_hist: collections.Counter = field(default_factory=collections.Counter)  # steps per batch bucket
+    drafting_hist: collections.Counter = field(default_factory=collections.Counter)  # per batch bucket
     seconds: collections.Counter = field(default_factory=collections.Counter)  # prefill/draft/verify/...
     trace: list | None = None  # per drafting step (prefix scores, keep_len, accepted) of live rows
 
@@ -36,8 +37,9 @@ class Stats:
         self.request_steps += rec.n_live
         self.committed += rec.accepted + rec.n_live
         self.rho_hist[rec.rho] += 1
-        self.bucket_hist[rec.batch_size] += 1
+        self.bucket_hist[rec.bucket] += 1
         if rec.drafted:
+            self.drafting_hist[rec.bucket] += 1
             self.drafted += rec.n_live * depth
             self.predicted_raw += rec.predicted
             self.predicted += rec.predicted * gain_scale
@@ -46,7 +48,7 @@ class Stats:
 
     @property
     def decode_seconds(self) -> float:
-        return sum(v for k, v in self.seconds.items() if k not in ("prefill", "compile"))
+        return sum(v for k, v in self.seconds.items() if k not in ("prefill", "compile", "profile"))
 
     @property
     def tau(self) -> float:
@@ -66,4 +68,5 @@ class Stats:
                 "bucket_histogram": {str(k): v for k, v in sorted(self.bucket_hist.items())},
                 "predicted_accepted_raw": self.predicted_raw, "predicted_accepted": self.predicted,
                 "realized_accepted": self.realized, "drafting_request_steps": self.drafting_request_steps,
-                "seconds": dict(self.seconds)}
+                "drafting_histogram": {str(k): v for k, v in sorted(self.drafting_hist.items())},
+                "profile_seconds": self.seconds["profile"], "seconds": dict(self.seconds)}

@@ -258,8 +258,6 @@ BAD_INPUT = {
                                                "--rhos", "0,2", "--cost-table", m["table"]), ["0,2"]),
     "missing_drafter_dir": (lambda m, t: base(m, "--drafter", t / "nodrafter", "--policy", "full",
                                               "--prompt", "x"), ["nodrafter"]),
-    "corrupt_cost_table": (lambda m, t: base(m, "--drafter", m["drafter"], "--policy", "dcut", "--prompt", "x",
-                                             "--cost-table", bad_jsonl(t, '{"batch_sizes": [1]}')), ["bad.jsonl"]),
     "text_prompt_without_tokenizer": (lambda m, t: ["--target", m["target_notok"], "--no-compile", "--quiet",
                                                     "--policy", "ar", "--prompt", "x"], ["tokenizer"]),
     # An empty prompt file is a mistake; falling back to the built-in demo prompts hides it.
@@ -293,6 +291,16 @@ def test_module_entry_point_exits_2_with_one_error_line(models):
         models, "--drafter", models["drafter"], "--policy", "static", "--rho", "2", "--prompt", "x"))],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert_one_line_error(done.returncode, done.stderr, "--rho")
+
+
+def test_a_corrupt_cost_table_is_ignored_with_one_line_and_replaced(models, capsys, tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text('{"batch_sizes": [1]}')
+    code, out, err = cli(capsys, *base(models, "--drafter", models["drafter"], "--policy", "dcut", "--prompt", "x",
+                                       "--max-new-tokens", "4", "--cost-table", table, "--batch-size", "2"))
+    assert code == 0, err
+    assert "corrupt" in out + err and len([x for x in (out + err).splitlines() if "not used" in x]) == 1
+    assert CostTable.load(table).batch_sizes == [1]
 
 
 def test_a_named_cost_table_that_does_not_exist_is_measured_and_saved_there(models, capsys, tmp_path):

@@ -1,15 +1,19 @@
 """Cost tables (docs/method.md, "Choosing rho"): rows read only where they were measured, missing rows
-measured when a run needs them, tables of another machine or setting refused."""
+measured on the run's own rows when it first reaches their bucket, tables of another machine or setting
+ignored, and what the policy learned kept with the table for the next run."""
 
 import json
+import math
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from minidcut.api import cost_table
+from minidcut.api import build_policy, load_table, run_fingerprint, save_table
 from minidcut.cost_model import CostTable, CostTableError, fingerprint, table_path
+from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
+from minidcut.policy import Policy
 from minidcut.profiler import nondecreasing
 from tiny import make_drafter, make_model
 
@@ -58,18 +62,25 @@ def test_profiled_costs_are_made_nondecreasing_in_rho_by_pooling_violators():
     assert all(a <= b for a, b in zip(out, out[1:])) and sum(out) == pytest.approx(sum(xs))
 
 
-def test_table_path_names_device_models_and_dtype_and_changes_with_a_model_config(tmp_path):
+def fp_of(root, **kw) -> dict:
+    return {**fingerprint("cpu", root / "target", root / "drafter", torch.float32, False, max_seq=128), **kw}
+
+
+def test_table_path_names_device_models_dtype_and_positions_and_changes_with_the_fingerprint(tmp_path):
     for name in ("target", "drafter"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text('{"hidden_size": 64}')
-    path = table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path)
+    fp = fp_of(tmp_path)
+    path = table_path(fp, tmp_path / "target", tmp_path / "drafter", tmp_path)
     assert path.parent == tmp_path and path.name.startswith("cpu") and "__target-" in path.name
-    assert "__drafter-" in path.name and path.name.endswith("__float32.json")
-    mixed = table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, torch.bfloat16, tmp_path)
-    assert mixed.name.endswith("__float32-bfloat16.json")
-    assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path) == path
+    assert "__drafter-" in path.name and "__float32__seq128-" in path.name
+    mixed = table_path({**fp, "drafter_dtype": "bfloat16"}, tmp_path / "target", tmp_path / "drafter", tmp_path)
+    assert "__float32-bfloat16__" in mixed.name
+    assert table_path(fp_of(tmp_path), tmp_path / "target", tmp_path / "drafter", tmp_path) == path
+    for other in ({"max_seq": 256}, {"sampling": "sampled"}, {"threads": 99}):
+        assert table_path({**fp, **other}, tmp_path / "target", tmp_path / "drafter", tmp_path) != path
     (tmp_path / "drafter" / "config.json").write_text('{"hidden_size": 64, "block_size": 8}')  # retrained
-    assert table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path) != path
+    assert table_path(fp_of(tmp_path), tmp_path / "target", tmp_path / "drafter", tmp_path) != path
 
 
 def test_a_drafter_that_gains_a_draft_vocabulary_gets_a_new_table_and_new_weights_keep_it(tmp_path):
@@ -79,8 +90,8 @@ def test_a_drafter_that_gains_a_draft_vocabulary_gets_a_new_table_and_new_weight
     W = make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
 
     def keys():
-        return (table_path("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, table_dir=tmp_path),
-                fingerprint("cpu", tmp_path / "target", tmp_path / "drafter", torch.float32, False))
+        fp = fp_of(tmp_path)
+        return table_path(fp, tmp_path / "target", tmp_path / "drafter", tmp_path), fp
     before = keys()
     save_file({k: v + 1 for k, v in W.items()}, str(tmp_path / "drafter" / "model.safetensors"))
     assert keys() == before
@@ -88,6 +99,18 @@ def test_a_drafter_that_gains_a_draft_vocabulary_gets_a_new_table_and_new_weight
     after = keys()
     assert after[0] != before[0] and after[1]["drafter_config"] != before[1]["drafter_config"]
     assert after[1]["target_config"] == before[1]["target_config"]
+
+
+def test_a_row_cut_short_round_trips_as_null_and_is_never_chosen(tmp_path):
+    t = CostTable([4], RHOS, [[1.0, 2.0, math.inf, math.inf, math.inf]], state={"x": 1})
+    t.save(tmp_path / "t.json")
+    assert json.loads((tmp_path / "t.json").read_text())["seconds"] == [[1.0, 2.0, None, None, None]]
+    back = CostTable.load(tmp_path / "t.json")
+    assert back.row(4, RHOS)[2:] == [math.inf] * 3 and back.state == {"x": 1}
+    p = Policy.dcut(back, RHOS, calibrate=False)
+    gain = torch.tensor([0.0, 1.0, 50.0, 60.0, 60.0])  # huge gains at the unmeasured budgets
+    assert int(p.choose(gain, torch.tensor(4.0), torch.tensor(1.0), torch.tensor(p.plan(4).cost))) == 1
+    assert not list(tmp_path.glob("*.tmp"))  # written through a temporary file, then renamed
 
 
 @pytest.fixture
@@ -98,32 +121,57 @@ def pair(tmp_path):
     return target, load_drafter(tmp_path / "drafter", target), tmp_path
 
 
-def test_a_run_measures_the_batch_sizes_its_table_lacks_and_reuses_the_rest(pair):
-    target, drafter, root = pair
-    path = root / "table.json"
-    steps = []
-    t = cost_table(target, drafter, root / "target", root / "drafter", [1, 2], RHOS, path, compile=False,
-                   context_len=16, on_step=lambda B, rho: steps.append(B))
-    assert t.batch_sizes == [1, 2] and set(steps) == {1, 2} and path.is_file()
-    assert t.meta["fingerprint"] == fingerprint("cpu", root / "target", root / "drafter", torch.float32, False)
-    for row in t.seconds:  # drafting steps nondecreasing in rho
-        assert all(a <= b for a, b in zip(row[1:], row[2:]))
-    steps.clear()
-    t2 = cost_table(target, drafter, root / "target", root / "drafter", [1, 2, 4], RHOS, path, compile=False,
-                    context_len=16, on_step=lambda B, rho: steps.append(B))
-    assert set(steps) == {4} and t2.batch_sizes == [1, 2, 4]  # only the missing row was measured
-    assert t2.row(1, RHOS) == t.row(1, RHOS)
+def run(root, target, drafter, prompts, path, new_tokens=12, log=None):
+    """One dcut run as the CLI does it: load the table (and the state), generate, save both."""
+    table, file = load_table(target, drafter, root / "target", root / "drafter", False, 64, path=path, log=log)
+    policy = build_policy("dcut", table=table, log=log)
+    engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
+    outputs, stats = engine.generate(prompts, new_tokens)
+    save_table(policy, file)
+    return outputs, stats, policy
 
 
-def test_a_table_of_another_setting_is_refused_with_one_line_and_remeasured(pair):
+def test_a_run_measures_the_buckets_it_reaches_on_its_own_rows_and_the_next_run_reuses_them(pair):
     target, drafter, root = pair
     path = root / "table.json"
-    stale = CostTable([1], RHOS, [[9.0] * 5], {"fingerprint": {**fingerprint("cpu", root / "target",
-                                                                              root / "drafter", torch.float32,
-                                                                              False), "threads": 99}})
-    stale.save(path)
+    prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11]]  # 3 requests at B = 2: buckets 2, then 1 for the tail
+    ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=64, eos_ids=[], compile=False).generate(prompts, 12)
+    out, stats, policy = run(root, target, drafter, prompts, path)
+    assert out == ar  # timing steps on the live rows leaves the output as it was
+    assert stats.seconds["profile"] > 0 and policy.table.batch_sizes == [1, 2]
+    saved = CostTable.load(path)
+    assert saved.batch_sizes == [1, 2] and saved.meta["fingerprint"]["max_seq"] == 64 and saved.state == policy.state
+    for row in saved.seconds:  # measured drafting steps nondecreasing in rho, the smallest always measured
+        finite = [x for x in row[1:] if not math.isinf(x)]
+        assert finite and finite == sorted(finite)
+    out2, stats2, policy2 = run(root, target, drafter, prompts, path)
+    assert out2 == ar and stats2.seconds["profile"] == 0  # nothing left to measure
+    assert policy2.table.seconds == saved.seconds
+
+
+@pytest.mark.parametrize("content, needle", [("{not json", "corrupt"), ('{"batch_sizes": [1]}', "corrupt"),
+                                             (None, "threads 99 != ")])
+def test_a_corrupt_or_foreign_table_is_ignored_with_one_line_and_replaced(pair, content, needle):
+    target, drafter, root = pair
+    path = root / "table.json"
+    if content is None:
+        fp = run_fingerprint(target, drafter, root / "target", root / "drafter", False, 64)
+        CostTable([1], RHOS, [[9.0] * 5], {"fingerprint": {**fp, "threads": 99}}).save(path)
+    else:
+        path.write_text(content)
     said = []
-    t = cost_table(target, drafter, root / "target", root / "drafter", [1], RHOS, path, compile=False,
-                   context_len=16, log=said.append)
-    assert len(said) == 2 and "threads 99 != " in said[0] and "\n" not in said[0]
-    assert t.row(1, RHOS) != [9.0] * 5 and t.meta["fingerprint"]["threads"] == torch.get_num_threads()
+    out, _, policy = run(root, target, drafter, [[3, 4, 5]], path, 4, log=said.append)
+    assert len(said) == 1 and needle in said[0] and "\n" not in said[0]
+    assert CostTable.load(path).meta["fingerprint"]["threads"] == torch.get_num_threads()
+
+
+def test_an_unusable_saved_state_is_ignored_with_one_line(pair):
+    target, drafter, root = pair
+    path = root / "table.json"
+    run(root, target, drafter, [[3, 4, 5]], path, 4)
+    saved = json.loads(path.read_text())
+    saved["state"] = {"calibration": {"gain_scale": -1}}
+    path.write_text(json.dumps(saved))
+    said = []
+    run(root, target, drafter, [[3, 4, 5]], path, 4, log=said.append)
+    assert len(said) == 1 and "learned policy state not used" in said[0]

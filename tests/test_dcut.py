@@ -67,7 +67,7 @@ def test_prefix_scores_are_cumulative_log_confidences_and_minus_inf_past_the_lim
 
 @SETTINGS
 @given(selector_inputs())
-def test_keep_len_spends_exactly_K_on_per_request_prefixes_that_form_a_global_top_K(inputs):
+def test_keep_len_spends_min_K_finite_on_per_request_prefixes_that_form_a_global_top_K(inputs):
     conf, limit = inputs
     B, D = conf.shape
     log_s = dcut.prefix_scores(conf, limit)  # [B, D]
@@ -80,56 +80,51 @@ def test_keep_len_spends_exactly_K_on_per_request_prefixes_that_form_a_global_to
     scores = log_s.double().exp()  # [B, D]; exp(-inf) = 0
     ranked = scores.flatten().sort(descending=True).values  # [B*D]
     for K, kl in zip(Ks, keep):
-        assert int(kl.sum()) == K
-        assert ((kl >= 0) & (kl <= D)).all()
+        assert int(kl.sum()) == min(K, finite)  # a -inf depth (never emitted) is never counted
+        assert ((kl >= 0) & (kl <= limit.clamp(max=D))).all()
         kept = kept_mask(kl, D)  # [B, D]: the prefix each request sends to verification
         # Same total score as the true top K (equal up to swapping exactly tied scores).
         assert math.isclose(scores[kept].sum().item(), ranked[:K].sum().item(), rel_tol=1e-9, abs_tol=1e-12)
         # And exactly a top-K set: nothing left out scores above anything kept.
-        if 0 < K < B * D:
+        if 0 < K < B * D and kept.any() and (~kept).any():
             assert log_s[kept].min() >= log_s[~kept].max()
-        if K <= finite:
-            assert (kl <= limit).all()  # no budget on masked depths while finite scores remain
-        else:
-            # Beyond the finite scores: every finite position is kept and the rest of the K is
-            # spent on masked (-inf, zero-gain) depths; the sum is still exactly K.
-            assert (kl >= limit.clamp(max=D)).all()
+        if K >= finite:  # every finite position is kept, and nothing else
+            assert torch.equal(kl, limit.clamp(max=D))
     # A bigger budget keeps a superset: one global ranking serves every rho.
     assert (keep[1:] >= keep[:-1]).all()
     assert (keep[0] == 0).all()  # rho = 0: an AR step
-    assert (keep[-1] == D).all()  # rho = 1 keeps everything
+    assert torch.equal(keep[-1], limit.clamp(max=D))  # rho = 1 keeps every depth that can be emitted
+
+
+def test_keep_lens_never_counts_a_minus_inf_depth():
+    """K larger than the finite positions: rows past their limit and empty rows keep nothing there."""
+    log_s = torch.tensor([[-0.1, -0.2, -0.3, -0.4], [-0.05, -0.5, -math.inf, -math.inf], [-math.inf] * 4])
+    assert dcut.keep_lens(log_s, [12])[0].tolist() == [4, 2, 0]
+    assert dcut.keep_lens(log_s, [3, 6, 7])[:, :].sum(1).tolist() == [3, 6, 6]
+
+
+def test_select_is_scores_then_one_ranking_for_keep_lens_and_gains():
+    gen = torch.Generator().manual_seed(1)
+    conf, limit = torch.rand(5, 15, generator=gen), torch.tensor([15, 3, 0, 15, 7])
+    Ks = [0, 10, 40, 75]
+    sel = dcut.select(conf, limit, Ks)
+    log_s = dcut.prefix_scores(conf, limit)
+    assert torch.equal(sel.log_s, log_s) and torch.equal(sel.keep_lens, dcut.keep_lens(log_s, Ks))
+    assert torch.equal(sel.gains, dcut.gains(dcut.ranking(log_s)[0], Ks))
 
 
 @SETTINGS
-@given(selector_inputs(), st.integers(0, 8))
-def test_gain_is_the_brute_force_sum_of_the_top_K_scores_plus_live_anchors(inputs, n_live):
+@given(selector_inputs())
+def test_gain_is_the_brute_force_sum_of_the_top_K_scores(inputs):
     conf, limit = inputs
     B, D = conf.shape
-    log_s = dcut.prefix_scores(conf, limit)
     Ks = [dcut.budget(r, B, D) for r in RHOS]
-    scores = sorted((math.exp(x) for x in log_s.flatten().tolist()), reverse=True)  # exp(-inf) = 0.0
+    sel = dcut.select(conf, limit, Ks)
+    scores = sorted((math.exp(x) for x in sel.log_s.flatten().tolist()), reverse=True)  # exp(-inf) = 0.0
     brute = torch.tensor([sum(scores[:K]) for K in Ks], dtype=torch.float64)
-    g = dcut.gains(log_s, Ks, None)
-    assert g.shape == (len(Ks),)
-    assert torch.allclose(g.double(), brute, rtol=1e-5, atol=1e-5)
-    g_live = dcut.gains(log_s, Ks, torch.tensor(float(n_live)))
-    assert torch.allclose(g_live.double(), brute + n_live, rtol=1e-5, atol=1e-5)
-    assert g[0] == 0  # rho = 0 verifies no draft
-
-
-@SETTINGS
-@given(st.lists(st.floats(0.0, 100.0), min_size=1, max_size=6).flatmap(
-    lambda g: st.tuples(st.just(g), st.lists(st.floats(0.01, 10.0), min_size=len(g), max_size=len(g)))))
-def test_choose_rho_is_the_first_argmax_of_gain_over_cost(gain_cost):
-    gain, cost = (torch.tensor(x, dtype=torch.float32) for x in gain_cost)
-    ratio = (gain / cost).tolist()
-    assert int(dcut.choose_rho(gain, cost)) == ratio.index(max(ratio))
-
-
-def test_choose_rho_trades_gain_against_measured_cost():
-    gain = torch.tensor([8.0, 12.0, 14.0, 15.0])  # anchors included: rho = 0 still commits B tokens
-    assert int(dcut.choose_rho(gain, torch.tensor([80.0, 85, 86, 91]))) == 3  # nearly flat (MoE)
-    assert int(dcut.choose_rho(gain, torch.tensor([1.0, 2.0, 3.0, 4.0]))) == 0  # steep cost: AR step
+    assert sel.gains.shape == (len(Ks),)
+    assert torch.allclose(sel.gains.double(), brute, rtol=1e-5, atol=1e-5)
+    assert sel.gains[0] == 0  # rho = 0 verifies no draft
 
 
 def test_ties_at_confidence_one_still_give_prefixes_summing_to_K():
@@ -156,17 +151,18 @@ def test_global_top_K_beats_a_confidence_blind_cut_at_equal_budget():
         K = B * depth  # the same budget as verifying every request to `depth`
         blind = scores[:, :depth].sum()
         top = scores[kept_mask(dcut.keep_lens(log_s, [K])[0], D)].sum()
-        assert torch.isclose(top, dcut.gains(log_s, [K], None)[0])
+        assert torch.isclose(top, dcut.gains(dcut.ranking(log_s)[0], [K])[0])
         assert top > 1.2 * blind, (depth, float(top), float(blind))
 
 
 def test_compiled_selector_equals_eager_on_a_fixed_shape():
-    """keep_lens + gains as the engine traces them: one graph (fullgraph, static shape), same answers."""
+    """dcut.select as the engine traces it: one graph (fullgraph, static shape), same answers."""
     B, D = 8, 15
     Ks = [dcut.budget(r, B, D) for r in (0.0, 0.25, 0.5, 0.75, 1.0)]
 
-    def select(log_s, n_live):
-        return dcut.keep_lens(log_s, Ks), dcut.gains(log_s, Ks, n_live)
+    def select(conf, limit):
+        sel = dcut.select(conf, limit, Ks)
+        return sel.keep_lens, sel.gains
 
     gen = torch.Generator().manual_seed(0)
     cases = []
@@ -176,7 +172,7 @@ def test_compiled_selector_equals_eager_on_a_fixed_shape():
             conf[:3] = 1.0  # exact ties
             conf[5] = 0.5
         limit = torch.randint(0, D + 1, (B,), generator=gen) if i >= 2 else torch.full((B,), D)
-        cases.append((dcut.prefix_scores(conf, limit), torch.tensor(float(B - i))))
+        cases.append((conf, limit))
     compiled = torch.compile(select, fullgraph=True, dynamic=False)
     with torch._dynamo.config.patch(error_on_recompile=True):  # one graph for the fixed shape
         for args in cases:

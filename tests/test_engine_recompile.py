@@ -133,3 +133,25 @@ def test_engine_warmup_compiles_every_graph_a_dcut_run_reaches(tiny_pair, fresh_
 @pytest.mark.slow
 def test_dcut_switching_rho_never_recompiles_after_warm_up_inductor(tiny_pair, fresh_dynamo):
     check_no_recompile_after_warm_up(*tiny_pair)
+
+
+def cache_pointers(target, drafter) -> list[int]:
+    return [c.k.data_ptr() for c in (*target.caches, *drafter.caches)] + [drafter.feats.data_ptr()]
+
+
+def test_profiling_then_decoding_in_one_process_never_recompiles_or_reallocates(tiny_pair, fresh_dynamo,
+                                                                              eager_backend):
+    """A first run: no cost row yet. Warmup drives every graph the run can reach until it replays (3
+    runs each), then the run measures its rows on its own rows through the same engine and graphs and
+    decodes: no recompile, the caches are the ones allocated at the start, the output is AR's."""
+    target, drafter = tiny_pair
+    prompts, ar = prompts_and_ar(target)
+    policy = Policy.dcut(CostTable([], GRID, []), GRID)
+    engine = Engine(target, drafter, policy, batch_size=B, max_seq=MAX_SEQ, eos_ids=[], compile=True)
+    pointers = cache_pointers(target, drafter)
+    engine.warmup()
+    assert engine.calls and all(engine.calls[k] >= 3 for k in engine.reachable())
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outputs, stats = engine.generate(prompts, NEW_TOKENS)
+    assert outputs == ar and stats.seconds["profile"] > 0 and policy.table.batch_sizes == sorted(stats.bucket_hist)
+    assert cache_pointers(target, drafter) == pointers

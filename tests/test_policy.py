@@ -1,6 +1,8 @@
 """The policy (docs/method.md, "Choosing rho", "Calibration", "Skipping drafting"): the paper's rule as
 the engine composes it, the calibration and the skip-drafting controller, each on its own."""
 
+import json
+
 import pytest
 import torch
 
@@ -33,12 +35,12 @@ def skip(table, B, calibrate=False, **kw):
 
 def drafting(B, rho, predicted, accepted=None, n_live=None, seconds=0.0, catchup=0.0):
     """A StepRecord of a drafting step."""
-    return StepRecord(B, n_live or B, True, rho, predicted, int(predicted) if accepted is None else accepted,
-                      seconds, catchup)
+    return StepRecord(bucket=B, n_live=n_live or B, drafted=True, rho=rho, predicted=predicted,
+                      accepted=int(predicted) if accepted is None else accepted, seconds=seconds, catchup=catchup)
 
 
 def ar_step(B, seconds=0.0, n_live=None):
-    return StepRecord(B, n_live or B, False, seconds=seconds)
+    return StepRecord(bucket=B, n_live=n_live or B, drafted=False, seconds=seconds)
 
 
 # ---- the paper's rule, as the engine composes it ---------------------------------------------------
@@ -81,11 +83,10 @@ def test_rho_star_as_the_engine_composes_it(tmp_path, gain, expected):
                     compile=False)
     policy.calibration.gain_scale = 0.5
     z = torch.zeros(2, dtype=torch.long)
-    draft = engine.draft(z, z + 3, [15, 15], n_live=2)
+    draft = engine.draft(z, z + 3, [15, 15], 2, policy.plan(2))
     assert policy.rhos[draft.rho_index] == expected
     # The same decision by hand: argmax (scale * gain + anchors) / cost.
-    log_s = dcut.prefix_scores(torch.full((2, 15), 0.7), torch.full((2,), 15))
-    g = dcut.gains(log_s, engine.budgets(2), None)
+    g = dcut.select(torch.full((2, 15), 0.7), torch.full((2,), 15), engine.budgets(2)).gains
     by_hand = (0.5 * g + (2 if gain == "committed" else 0)) / torch.tensor([1.6, 1.6, 1.8, 2.4, 3.0])
     assert int(torch.argmax(by_hand)) == draft.rho_index
 
@@ -94,8 +95,17 @@ def choose(table, B, conf, **kw):
     """The dcut policy's in-graph decision, run eagerly: rho* for confidences conf [B, D]."""
     policy = Policy.dcut(table, RHOS, **kw)
     Ks = [dcut.budget(r, B, conf.shape[1]) for r in RHOS]
-    gain = dcut.gains(dcut.prefix_scores(conf, torch.full((B,), conf.shape[1])), Ks, None)
-    return RHOS[int(policy.choose(gain, torch.tensor(float(B)), torch.tensor(1.0), policy.cost_vector(B, "cpu")))]
+    gain = dcut.select(conf, torch.full((B,), conf.shape[1]), Ks).gains
+    return RHOS[int(policy.choose(gain, torch.tensor(float(B)), torch.tensor(1.0), torch.tensor(policy.plan(B).cost)))]
+
+
+def test_choose_is_the_first_argmax_of_committed_tokens_over_cost():
+    p = Policy.dcut(steep_table(), RHOS, calibrate=False)
+    gain = torch.tensor([0.0, 4.0, 6.0, 7.0])  # expected accepted drafts; 8 live requests add 8 anchors
+    assert int(p.choose(gain, torch.tensor(8.0), torch.tensor(1.0), torch.tensor([80.0, 85, 86, 91]))) == 3  # flat
+    assert int(p.choose(gain, torch.tensor(8.0), torch.tensor(1.0), torch.tensor([1.0, 2.0, 3.0, 4.0]))) == 0  # steep
+    tie = torch.tensor([0.0, 8.0, 8.0, 8.0])
+    assert int(p.choose(tie, torch.tensor(8.0), torch.tensor(1.0), torch.tensor([1.0, 2.0, 2.0, 2.0]))) == 0
 
 
 def test_rho_choice_prunes_hard_on_steep_costs_and_keeps_more_on_flat_costs():
@@ -115,17 +125,18 @@ def test_hopeless_drafts_fall_back_to_ar():
 
 
 def test_a_drafting_step_prices_rho_zero_as_a_drafting_step_when_drafting_can_be_skipped():
-    costs = Policy.dcut(steep_table(), RHOS).cost_vector(16, "cpu").tolist()
+    costs = Policy.dcut(steep_table(), RHOS).plan(16).cost
     assert costs[0] == costs[1] == pytest.approx(1.6)  # the draft is paid: rho = 0 saves nothing
     q = Policy.dcut(steep_table(), RHOS, skip_drafting=False)  # no other way back to AR steps
-    assert q.cost_vector(16, "cpu").tolist()[0] == pytest.approx(1.0)
+    assert q.plan(16).cost[0] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("skip_drafting", [True, False])
-def test_a_batch_size_without_a_table_row_never_drafts(skip_drafting):
+def test_a_bucket_without_a_table_row_is_measured_first_and_never_drafts_without_one(skip_drafting):
     p = Policy.dcut(steep_table(), RHOS, skip_drafting=skip_drafting)
-    assert p.draft_now(16) and not p.draft_now(32)  # 32 was not measured: no costs to decide with
-    assert p.drafting_on(16) and not p.drafting_on(32)
+    assert p.plan(16).draft and not p.plan(32).draft  # 32 was not measured: no costs to decide with
+    assert not p.needs_row(16) and p.needs_row(32)  # the engine measures it before its first step there
+    assert not Policy.static(0.5).needs_row(32) and Policy.static(0.5).plan(32).draft
 
 
 # ---- calibration -----------------------------------------------------------------------------------
@@ -326,8 +337,8 @@ def test_measured_costs_switch_drafting_off_where_the_table_is_too_optimistic():
     for calibrate in (True, False):
         p = Policy.dcut(steep_table(), RHOS, patience=3, calibrate=calibrate)
         for _ in range(6):
-            p.observe(drafting(16, 0.5, 25.0, seconds=6.6) if p.draft_now(16) else ar_step(16, seconds=1.0))
-        on[calibrate] = p.draft_now(16)
+            p.observe(drafting(16, 0.5, 25.0, seconds=6.6) if p.plan(16).draft else ar_step(16, seconds=1.0))
+        on[calibrate] = p.plan(16).draft
     assert on == {True: False, False: True}
 
 
@@ -335,11 +346,30 @@ def test_policy_state_outlives_a_generate_call_and_the_skip_state_is_per_batch_s
     p = Policy.dcut(steep_table(), RHOS, patience=2, probe_every=5)
     p.observe(drafting(16, 0.25, 10.0, accepted=5))  # a calibration sample: half the drafts accepted
     for _ in range(2):  # two drafting steps that chose rho = 0: drafting switches off at B = 16
-        p.draft_now(16)
+        p.plan(16)
         p.observe(drafting(16, 0.0, 10.0))
-    assert not p.draft_now(16)  # nothing is forgotten between steps or generate() calls
+    assert not p.plan(16).draft  # nothing is forgotten between steps or generate() calls
     scale = p.calibration.gain_scale
     assert scale < 1.0
-    assert p.draft_now(64) and p.calibration.gain_scale == scale  # B = 64 decides on its own
+    assert p.plan(64).draft and p.calibration.gain_scale == scale  # B = 64 decides on its own
     p.reset()
-    assert p.calibration.gain_scale == 1.0 and p.draft_now(16)
+    assert p.calibration.gain_scale == 1.0 and p.plan(16).draft
+
+
+def test_policy_state_saved_and_loaded_continues_where_it_stopped():
+    p = Policy.dcut(steep_table(), RHOS, patience=2, probe_every=5)
+    p.observe(drafting(16, 0.25, 10.0, accepted=5, seconds=3.2))
+    for _ in range(2):
+        p.plan(16)
+        p.observe(drafting(16, 0.0, 10.0))
+    q = Policy.dcut(steep_table(), RHOS, patience=2, probe_every=5)
+    q.load_state(json.loads(json.dumps(p.state)))  # through JSON, as in the table's file
+    assert q.state == p.state and not q.plan(16).draft and q.skipping[16].state == "off"
+    assert q.calibration.gain_scale == p.calibration.gain_scale < 1.0
+    assert q.calibration.cost_scale(True) == p.calibration.cost_scale(True) != 1.0
+    for bad in ({}, {"calibration": {"gain_scale": "x"}, "skipping": {}},
+                {"calibration": p.state["calibration"], "skipping": {"16": {"state": "maybe"}}}):
+        r = Policy.dcut(steep_table(), RHOS)
+        with pytest.raises(ValueError, match="not a saved policy state"):
+            r.load_state(bad)
+        assert r.calibration.gain_scale == 1.0 and r.plan(16).draft  # nothing half-loaded

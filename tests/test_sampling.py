@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 import minidcut.engine
-from minidcut.dcut import keep_lens
+from minidcut.dcut import select
 from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
@@ -175,12 +175,12 @@ def test_speculative_sampling_is_lossless_and_a_wrong_acceptance_rule_is_caught(
     # (limit 2 per request), chosen by confidence, so some requests are cut to 1 or 0 drafts.
     cut = []  # per draft step: requests whose usable drafts were pruned
 
-    def spy_keep_lens(log_s, Ks):
-        keep = keep_lens(log_s, Ks)  # [n_rho, B]
-        cut.append(int((keep < torch.isfinite(log_s).sum(1)).sum()))
-        return keep
+    def spy_select(conf, limit, Ks):
+        sel = select(conf, limit, Ks)
+        cut.append(int((sel.keep_lens < torch.isfinite(sel.log_s).sum(1)).sum()))  # [n_rho, B]
+        return sel
 
-    monkeypatch.setattr(minidcut.engine.dcut, "keep_lens", spy_keep_lens)
+    monkeypatch.setattr(minidcut.engine, "select", spy_select)
     for policy in (Policy.full(), Policy.static(0.5)):
         cut.clear()
         tv, stats = tv_to_exact(target, drafter, policy, exact)

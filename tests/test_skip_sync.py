@@ -1,10 +1,12 @@
-"""Skipped drafting does not cost the drafter its context: while drafting is off, the prefill and
-verification only store the drafter's context features, and the next drafting step writes the missing
-context K/V from them (Engine.catch_up), reporting the seconds it took to the policy. Checked against
+"""Skipped drafting does not cost the drafter its context: while drafting is off, verification only
+stores the drafter's context features, and the next drafting step writes the missing context K/V from
+them (Engine.catch_up), reporting the seconds it took to the policy. Checked against
 the K/V computed from scratch over the committed text, with a control where the catch-up is switched off
 (the check must then fail)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -24,12 +26,9 @@ class SkipsThenDrafts(Policy):
         super().__init__("static", [0.5])
         self.skips, self.catchups = skips, []
 
-    def drafting_on(self, B) -> bool:  # off at the prefill: it stores only the drafter's features
-        return self.skips <= 0
-
-    def draft_now(self, B) -> bool:
+    def plan(self, bucket):
         self.skips -= 1
-        return self.skips < 0
+        return dataclasses.replace(super().plan(bucket), draft=self.skips < 0)
 
     def observe(self, rec):
         self.catchups.append(rec.catchup)

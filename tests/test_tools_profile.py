@@ -31,7 +31,7 @@ def test_profile_writes_a_cost_table_with_metadata(pair, capsys):
                 "wall_seconds", "target", "drafter"):
         assert key in table.meta
     assert set(table.meta["fingerprint"]) == {"device", "torch", "threads", "dtype", "drafter_dtype", "compiled", "packed",
-                                              "target_config", "drafter_config"}
+                                              "target_config", "drafter_config", "max_seq", "sampling"}
     for row, raw in zip(table.seconds, table.meta["raw_seconds"].values()):
         assert row[0] == raw[0] and row[1] <= row[2]  # the AR step as measured; drafting steps nondecreasing
         assert row[1] + row[2] == pytest.approx(raw[1] + raw[2])  # pooled, not clipped
@@ -50,13 +50,16 @@ def test_bad_arguments_are_one_line_errors(pair, argv, message, capsys):
 
 
 def test_the_rhos_take_turns_so_a_slow_spell_of_the_machine_hits_every_rho_alike(pair):
+    from minidcut.engine import Engine
     from minidcut.loader import load_drafter, load_target
-    from minidcut.profiler import profile as measure
+    from minidcut.policy import Policy
+    from minidcut.profiler import measure
     target = load_target(pair / "target")
     drafter = load_drafter(pair / "drafter", target)
     order = []
-    table = measure(target, drafter, [2], [0.0, 0.5, 1.0], 8, repeats=3, warmup=1, compile=False,
-                    on_step=lambda B, rho: order.append(rho))
+    table = CostTable([], [0.0, 0.5, 1.0], [])
+    engine = Engine(target, drafter, Policy("static", table.rhos), batch_size=2, max_seq=64, compile=False)
+    measure(table, engine, [2], 8, repeats=3, warmup=1, on_step=lambda B, rho: order.append(rho))
     assert order == [0.0, 0.5, 1.0] + [0.0, 0.5, 1.0] * 3  # warm-up rho by rho, then timed rounds
     assert len(table.seconds[0]) == 3
 

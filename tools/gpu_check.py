@@ -70,7 +70,7 @@ from minidcut.drafter import DFlashDrafter, check_pair  # noqa: E402
 from minidcut.engine import Engine  # noqa: E402
 from minidcut.layers import rope_inv_freq  # noqa: E402
 from minidcut.model import Transformer  # noqa: E402
-from minidcut.policy import DEFAULT_GRID  # noqa: E402
+from minidcut.policy import DEFAULT_GRID, Policy  # noqa: E402
 from minidcut.profiler import measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -293,8 +293,10 @@ def profile_table(target, drafter, batch_sizes: list[int], s: dict, deadline: fl
             raise OutOfTime(f"profile at B={B}")
 
     try:  # one engine for all batch sizes (the bench's cache shape); rows measured before a timeout stay
-        measure(table, target, drafter, batch_sizes, s["context_len"], s["profile_repeats"], s["profile_warmup"],
-                compile=s["compile"], on_step=on_step)
+        engine = Engine(target, drafter, Policy("static", DEFAULT_GRID, label="profile"), batch_size=max(batch_sizes),
+                        max_seq=s["context_len"] + drafter.block_size + 8, compile=s["compile"])
+        measure(table, engine, batch_sizes, s["context_len"], s["profile_repeats"], s["profile_warmup"],
+                on_step=on_step)
     except OutOfTime:
         info["skipped_batch_sizes"] = [B for B in batch_sizes if B not in table.batch_sizes]
     except Exception as e:  # noqa: BLE001 (reported, the run goes on)

@@ -1,8 +1,11 @@
-"""Build the cost table: median seconds of one complete speculative step (draft + select + verify +
+"""Build a whole cost table: median seconds of one complete speculative step (draft + select + verify +
 accept; rho = 0 is an AR step without drafting) for every (batch size, rho), on this machine, for one
-(target, drafter, dtype, threads, compiled or eager). Drafting steps' medians are made nondecreasing in
-rho (a dip is noise; the raw medians stay in the metadata). Written under compile_cache/cost_tables/,
-where the dcut policy finds it when it runs with the same settings (its fingerprint).
+(target, drafter, dtype, threads, compiled or eager, cache positions). Drafting steps' medians are made
+nondecreasing in rho (a dip is noise; the raw medians stay in the metadata). Written under
+compile_cache/cost_tables/, where a greedy dcut run with the same settings finds it (its fingerprint;
+a run's cache positions are its longest prompt + new tokens + a block, rounded up to a multiple of 64).
+Runs need no such table: they measure the rows they reach (profiler.measure_live); this one measures
+every row and rho, with more repeats.
 
     python tools/profile.py --target models/llama-stdlib-4m --drafter models/llama-stdlib-4m-dflash
 """
@@ -23,9 +26,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # 
 from rich.table import Table  # noqa: E402
 
 from minidcut import cli, runtime  # noqa: E402
-from minidcut.api import load_pair, parse_rhos  # noqa: E402
-from minidcut.cost_model import fingerprint, table_path  # noqa: E402
-from minidcut.profiler import profile  # noqa: E402
+from minidcut.api import load_pair, parse_rhos, run_fingerprint  # noqa: E402
+from minidcut.cost_model import CostTable, table_path  # noqa: E402
+from minidcut.engine import Engine  # noqa: E402
+from minidcut.policy import Policy  # noqa: E402
+from minidcut.profiler import measure  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -35,8 +40,10 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64",
                    help="comma-separated batch sizes to profile (default: %(default)s)")
     p.add_argument("--rhos", default="0,0.25,0.5,0.75,1", help="rho grid, 0 an AR step (default: %(default)s)")
+    p.add_argument("--max-seq", type=int, default=256,
+                   help="cache positions of the runs the table is for (default: %(default)s)")
     p.add_argument("--context-len", type=int, default=128,
-                   help="context tokens per request while timing (default: %(default)s)")
+                   help="context tokens per request while timing, below --max-seq (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per cell, median kept (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per cell first (default: %(default)s)")
     cli.add_runtime_args(p)
@@ -59,27 +66,29 @@ def print_table(console: Console, table) -> None:
 
 def run(args, console: Console) -> int:
     batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
-    cli.check_positive(args, "context_len", "repeats")
+    cli.check_positive(args, "context_len", "repeats", "max_seq")
     cli.check_runtime_args(args)
     if args.warmup < 0:
         raise cli.UserError(f"--warmup must be >= 0, got {args.warmup}")
     rhos = parse_rhos(args.rhos)
-    compile = args.compile
+    if args.context_len + 32 > args.max_seq:
+        raise cli.UserError(f"--context-len {args.context_len} leaves no room for a draft block in --max-seq {args.max_seq}")
     cli.check_writable(args.out, "--out")
     runtime.setup(args.threads)
     target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype,
                                                    pack=not args.compile)
-    ddt = drafter.fc.weight.dtype
-    out = Path(args.out) if args.out else table_path(device, args.target, args.drafter, dtype, ddt)
+    fp = run_fingerprint(target, drafter, args.target, args.drafter, args.compile, args.max_seq)
+    out = Path(args.out) if args.out else table_path(fp, args.target, args.drafter)
+    # One engine at the largest batch size: its caches and graphs serve every row, as in a run.
+    engine = Engine(target, drafter, Policy("static", rhos, label="profile"), batch_size=max(batch_sizes),
+                    max_seq=args.max_seq, compile=args.compile)
+    table = CostTable([], rhos, [], {"target": str(args.target), "drafter": str(args.drafter), "fingerprint": fp})
     t0 = time.time()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("profiling", total=len(batch_sizes) * len(rhos) * (args.warmup + args.repeats))
-        table = profile(target, drafter, batch_sizes, rhos, args.context_len, args.repeats, args.warmup,
-                        compile=compile, meta={"target": str(args.target), "drafter": str(args.drafter),
-                                               "fingerprint": fingerprint(device, args.target, args.drafter,
-                                                                          dtype, compile, ddt, not compile)},
-                        on_step=lambda B, rho: bar.update(task, advance=1, description=f"profiling B={B} rho={rho:g}"))
+        measure(table, engine, batch_sizes, args.context_len, args.repeats, args.warmup,
+                on_step=lambda B, rho: bar.update(task, advance=1, description=f"profiling B={B} rho={rho:g}"))
     table.meta["wall_seconds"] = round(time.time() - t0, 1)
     table.save(out)
     print_table(console, table)

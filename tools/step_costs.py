@@ -56,14 +56,14 @@ def parts(engine: Engine, B: int, context_len: int) -> dict:
     logits = drafter(target, anchor, pos)
     conf = torch.softmax(logits.float(), -1).max(-1).values
     Ks = engine.budgets(B)
-    draft = engine.draft(anchor, pos, [D] * B, B)
+    plan = engine.policy.plan(B)
+    draft = engine.draft(anchor, pos, [D] * B, B, plan)
     out = {"AR step (verify K=0)": lambda: engine.graph("verify", B, 0, kv=False)(anchor, pos, ids, None, None),
            "drafter forward": lambda: drafter(target, anchor, pos),
            "  of it: lm_head on B*D rows": lambda: linear(h, drafter.head),
            "softmax + max over V (or V')": lambda: torch.softmax(logits.float(), -1).max(-1),
-           "selector (scores, keep_len, gains)": lambda: dcut.gains(s := dcut.prefix_scores(conf, torch.full((B,), D)), Ks, None)
-           + dcut.keep_lens(s, Ks).sum(),
-           "draft graph (all of the above + rho*)": lambda: engine.draft(anchor, pos, [D] * B, B)}
+           "selector (scores, keep_len, gains)": lambda: dcut.select(conf, torch.full((B,), D), Ks),
+           "draft graph (all of the above + rho*)": lambda: engine.draft(anchor, pos, [D] * B, B, plan)}
     for ri, (rho, K) in enumerate(zip(engine.policy.rhos, Ks)):
         if K:
             out[f"verify rho={rho:g} (T={B + K})"] = (lambda ri=ri, K=K: engine.graph("verify", B, K)(

@@ -1,0 +1,54 @@
+"""What a dcut run did and why, in numbers: the summary python -m minidcut.generate prints under its table.
+
+For the bucket the run spent most steps at: how often each rho was chosen, what the cost table says a
+drafting step costs there in AR steps (the tokens per request it must commit to pay), what the drafting
+steps were predicted to accept against what they did, and whether drafting is now on or off there.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .dcut import budget
+from .stats import Stats
+
+
+def explain(stats: Stats, policy, table_file=None) -> list[str]:
+    """Plain lines (no markup) for a finished run of `policy`; none for a policy without a cost table."""
+    if policy.table is None or not stats.bucket_hist:
+        return []
+    b = max(stats.bucket_hist, key=stats.bucket_hist.get)
+    lines = ["rho per step: " + ", ".join(f"{rho:g} on {n} of {stats.steps}" for rho, n in sorted(stats.rho_hist.items()))
+             + f" (rho 0: an AR step; the run spent {stats.bucket_hist[b]} steps at bucket {b})"]
+    costs = policy.costs(b)
+    if costs is None:
+        return lines
+    ar = costs[0] if policy.rhos[0] == 0.0 else None
+    parts = [f"rho {r:g}: {b} x {budget(r, b, policy.depth) / b:g} drafts, {c / ar:.1f} AR steps"
+             for r, c in zip(policy.rhos, costs) if r > 0 and not math.isinf(c)]
+    if ar is not None and parts:
+        lines.append(f"cost table at bucket {b}: an AR step {1e3 * ar:.1f} ms; a drafting step verifying "
+                     + "; ".join(parts) + f" (a request must commit that many tokens per step for it to pay)")
+    cut = [f"{r:g}" for r, c in zip(policy.rhos, costs) if math.isinf(c)]
+    if cut:
+        lines.append(f"rho {', '.join(cut)} not measured at bucket {b}: its cost could not beat a smaller budget")
+    n = stats.drafting_request_steps
+    if n:
+        lines.append(f"drafting steps ({sum(stats.drafting_hist.values())}): predicted {stats.predicted / n:.2f} "
+                     f"accepted drafts per request (calibrated; raw confidences {stats.predicted_raw / n:.2f}), "
+                     f"realized {stats.realized / n:.2f}: {1 + stats.realized / n:.2f} tokens per request per step")
+    skip = policy.skipping.get(b)
+    if skip is not None:
+        if not skip.possible:
+            lines.append(f"drafting never runs at bucket {b}: even if every kept draft were accepted, no rho "
+                         "commits more per second than an AR step")
+        elif skip.state == "off":
+            lines.append(f"drafting is off at bucket {b}: its drafting steps committed fewer tokens per second "
+                         f"than AR steps; one probe every {skip.period} steps checks again")
+        else:
+            lines.append(f"drafting is on at bucket {b}")
+    if stats.seconds["profile"]:
+        lines.append(f"measured missing cost-table rows in {stats.seconds['profile']:.1f} s (not counted in tok/s)")
+    if table_file is not None:
+        lines.append(f"cost table and what the policy learned: {table_file} (the next run starts from it)")
+    return lines

@@ -1,0 +1,61 @@
+"""Host <-> device traffic of a decode step (engine.py, module docstring), counted on a CPU: in the
+steady state a drafting step makes one host-to-device copy (the draft graph's inputs, from the staging
+buffer) and two device-to-host reads (the rho index, then the step's tokens in one copy); an AR step
+makes none and one. No torch.tensor() from host lists outside the graphs (inside, the selector's budget
+vectors are constants of a compiled graph; run eagerly they are rebuilt per call)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from minidcut.cost_model import CostTable
+from minidcut.engine import Engine
+from minidcut.loader import load_drafter, load_target
+from minidcut.policy import Policy
+from tiny import make_drafter, make_model
+
+GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.mark.parametrize("forced", [0.5, 0.0])
+def test_a_steady_step_crosses_once_each_way_plus_the_rho_index(tmp_path, monkeypatch, forced):
+    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
+    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
+    target = load_target(tmp_path / "target")
+    drafter = load_drafter(tmp_path / "drafter", target)
+    table = CostTable([4], GRID, [[1.0 if r == forced else 1000.0 for r in GRID]])  # dcut picks `forced`
+    policy = Policy.dcut(table, GRID, calibrate=False, skip_drafting=forced > 0)
+    if forced == 0.0:  # AR steps only: a dcut policy that never drafts
+        policy = Policy.ar()
+    engine = Engine(target, drafter if forced else None, policy, batch_size=4, max_seq=96, eos_ids=[], compile=False)
+    counts, per_step, inside = collections.Counter(), [], []
+    real_counted = engine.counted
+
+    def counted(key, fn):  # mark the time spent inside a graph
+        run = real_counted(key, fn)
+        return lambda *a: (inside.append(1), run(*a), inside.pop())[1]
+    engine.counted = counted
+    for name, owner in (("item", torch.Tensor), ("cpu", torch.Tensor), ("tolist", torch.Tensor)):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda self, *a, _r=real, _n=name, **k: (counts.update([_n]), _r(self, *a, **k))[1])
+    real_tensor, real_copy = torch.tensor, torch.Tensor.copy_
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: (counts.update([] if inside else ["tensor"]),
+                                                          real_tensor(*a, **k))[1])
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (
+        counts.update(["h2d"] if src.data_ptr() == engine.staging.data_ptr() else []), real_copy(self, src, *a, **k))[1])
+
+    def on_step(stats, rec):
+        per_step.append((rec.drafted, dict(counts)))
+        counts.clear()
+    prompts = [[3 + i, 5, 7, 9, 11] for i in range(4)]  # 4 requests at B = 4: one admission, no compaction
+    engine.generate(prompts, 40, on_step=on_step)
+    steady = per_step[1:-1]  # the first step includes the admission (prefill), the last step its finish
+    assert len(steady) > 5
+    for drafted, c in steady:
+        assert c.get("tensor", 0) == 0  # no host list turned into a tensor
+        assert c.get("h2d", 0) == (1 if drafted else 0)
+        assert c.get("item", 0) == (1 if drafted else 0) and c.get("cpu", 0) == 1
+    assert all(d for d, _ in steady) == (forced > 0)

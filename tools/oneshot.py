@@ -1,0 +1,113 @@
+"""Measure `python -m minidcut.generate` as users run it: one process per run, from a cold start.
+
+For each batch size B: the first n prompts of a prompt file (n = 2B, at least 8), and a cost-table file
+of its own that starts empty (as in a fresh checkout). Then ar, dcut, ar, dcut, ... (--runs pairs), each
+a new process. dcut's first run measures the cost rows it reaches and learns from nothing; the later
+ones start from what the earlier ones saved. Reported per B: AR tok/s (median of its runs), dcut's first
+run and the median of its later runs against it, and every run's wall time (process start to exit) and
+the seconds the first run spent measuring its cost rows. Writes JSON.
+
+    python tools/oneshot.py --batch-sizes 1,4,16,32,64 --output docs/bench/oneshot_demo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if __name__ == "__main__":  # run as a script: import from the repo root
+    sys.path[0] = str(ROOT)
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from minidcut import cli  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=str(cli.DEFAULT_TARGET))
+    p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER))
+    p.add_argument("--prompts", default=str(cli.MODELS / "prompts_heldout.jsonl"))
+    p.add_argument("--chat", action="store_true", help="pass --chat to generate")
+    p.add_argument("--batch-sizes", default="1,4,16,32,64")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 8))")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3, help="runs of each policy per batch size (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--output", default=None, help="JSON with every run")
+    return p.parse_args(argv)
+
+
+def one_run(args, policy: str, prompts: Path, table: Path, B: int, work: Path) -> dict:
+    stats = work / f"stats_{policy}.json"
+    cmd = [sys.executable, "-m", "minidcut.generate", "--target", args.target, "--drafter", args.drafter,
+           "--policy", policy, "--prompts", str(prompts), "--batch-size", str(B), "--max-new-tokens",
+           str(args.max_new_tokens), "--cost-table", str(table), "--stats", str(stats), "--quiet"]
+    cmd += ["--chat"] * args.chat + (["--threads", str(args.threads)] if args.threads else [])
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise cli.UserError(f"{policy} at B = {B} failed: {done.stderr.strip().splitlines()[-1:]}")
+    s = json.loads(stats.read_text())
+    return {"policy": policy, "wall_seconds": wall, "tokens_per_second": s["tokens_per_second"], "tau": s["tau"],
+            "profile_seconds": s["profile_seconds"], "rho_histogram": s["rho_histogram"], "steps": s["steps"]}
+
+
+def run(args, console: Console) -> int:
+    batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
+    cli.check_positive(args, "runs", "max_new_tokens", "num_prompts")
+    cli.check_writable(args.output, "--output")
+    lines = [x for x in Path(args.prompts).read_text().splitlines() if x.strip()]
+    out = {"target": args.target, "drafter": args.drafter, "prompts": args.prompts, "chat": args.chat,
+           "max_new_tokens": args.max_new_tokens, "per_batch": {}}
+    t = Table(title="python -m minidcut.generate, one process per run (dcut / AR tok/s; wall s)")
+    for c in ("B", "AR tok/s", "dcut 1st", "dcut later", "AR wall", "dcut 1st wall", "of it measuring", "dcut later wall"):
+        t.add_column(c, justify="right")
+    for B in batch_sizes:
+        n = args.num_prompts or max(2 * B, 8)
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            prompts = work / "prompts.jsonl"
+            prompts.write_text("\n".join((lines * (n // len(lines) + 1))[:n]) + "\n")
+            runs = []
+            for i in range(args.runs):
+                for policy in ("ar", "dcut"):
+                    runs.append(one_run(args, policy, prompts, work / "table.json", B, work))
+                    console.log(f"B={B} {policy} run {i + 1}: {runs[-1]['tokens_per_second']:.1f} tok/s, "
+                                f"{runs[-1]['wall_seconds']:.1f} s")
+        ar = [r for r in runs if r["policy"] == "ar"]
+        dc = [r for r in runs if r["policy"] == "dcut"]
+        ar_tps = statistics.median(r["tokens_per_second"] for r in ar)
+        ar_wall = statistics.median(r["wall_seconds"] for r in ar)
+        later = statistics.median(r["tokens_per_second"] for r in dc[1:]) if len(dc) > 1 else None
+        later_wall = statistics.median(r["wall_seconds"] for r in dc[1:]) if len(dc) > 1 else None
+        out["per_batch"][str(B)] = {
+            "prompts": n, "ar_tokens_per_second": ar_tps, "dcut_first_vs_ar": dc[0]["tokens_per_second"] / ar_tps,
+            "dcut_later_vs_ar": later / ar_tps if later else None, "ar_wall_seconds": ar_wall,
+            "dcut_first_wall_vs_ar": dc[0]["wall_seconds"] / ar_wall, "runs": runs}
+        t.add_row(str(B), f"{ar_tps:.1f}", f"{dc[0]['tokens_per_second'] / ar_tps:.2f}x",
+                  f"{later / ar_tps:.2f}x" if later else "-", f"{ar_wall:.1f}",
+                  f"{dc[0]['wall_seconds']:.1f} ({dc[0]['wall_seconds'] / ar_wall:.2f}x)",
+                  f"{dc[0]['profile_seconds']:.1f}", f"{later_wall:.1f}" if later_wall else "-")
+    console.print(t)
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+        console.print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli.run_reporting_errors(run, parse_args(argv), Console())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
