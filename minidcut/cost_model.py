@@ -9,8 +9,9 @@ A table is only used for what it was measured on: its `fingerprint` (device, thr
 compiled or eager, packed, the two checkpoints' shapes, the cache's positions, greedy or sampled) must
 match the run's, and only its own rows are read, never scaled to another bucket.
 
-The same file keeps what the dcut policy learned online (`state`: calibration and skip decisions,
-policy.Policy.state), written at the end of every run, so the next process starts from it.
+Every step a dcut run takes refines the entry it ran at (CostTable.refine), and the same file keeps
+what the policy learned online (`state`: the gain calibration and the skip decisions,
+policy.Policy.state); both are written at the end of every run, so the next process starts from them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import numpy as np
 import torch
 
 TABLE_DIR = Path(__file__).resolve().parent.parent / "compile_cache" / "cost_tables"
+MEMORY = 20  # a refined entry is the mean of its last ~20 steps' seconds
+CLAMP = 3.0  # one step counts at most this many times (or 1 / this) the entry's seconds
 
 
 class CostTableError(ValueError):
@@ -40,6 +43,7 @@ class CostTable:
     seconds: list[list[float]]  # [len(batch_sizes)][len(rhos)] median step seconds (profiler.py); inf: not measured
     meta: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)  # the dcut policy's online state (policy.Policy.state)
+    samples: list[list[int]] | None = None  # steps behind each entry (default 1 each)
 
     def __post_init__(self):
         s = np.asarray(self.seconds, dtype=float)
@@ -53,6 +57,8 @@ class CostTable:
             raise CostTableError("cost table has non-positive or non-finite entries")
         if sorted(self.batch_sizes) != self.batch_sizes or sorted(self.rhos) != self.rhos:
             raise CostTableError("cost table batch_sizes and rhos must be increasing")
+        if self.samples is None or np.shape(self.samples) != s.shape:
+            self.samples = [[1] * len(self.rhos) for _ in self.batch_sizes]
 
     def row(self, B: int, rhos) -> list[float] | None:
         """Seconds per step at bucket B for each of rhos (inf where a row was cut short), None
@@ -62,19 +68,32 @@ class CostTable:
         row = self.seconds[self.batch_sizes.index(B)]
         return [row[self.rhos.index(r)] for r in rhos]
 
-    def add_row(self, B: int, seconds: list[float]) -> None:
-        """Insert (or replace) the measured row of batch size B (one value per rho of the table)."""
+    def add_row(self, B: int, seconds: list[float], samples: int | list[int] = 1) -> None:
+        """Insert (or replace) the measured row of batch size B (one value per rho of the table), each
+        entry the median of `samples` timed steps."""
         if len(seconds) != len(self.rhos):
             raise CostTableError(f"a row of {len(seconds)} costs for a table of {len(self.rhos)} rhos")
-        rows = dict(zip(self.batch_sizes, self.seconds))
-        rows[B] = list(seconds)
+        rows = dict(zip(self.batch_sizes, zip(self.seconds, self.samples)))
+        rows[B] = (list(seconds), list(samples) if isinstance(samples, list) else [samples] * len(seconds))
         self.batch_sizes = sorted(rows)
-        self.seconds = [rows[b] for b in self.batch_sizes]
+        self.seconds = [rows[b][0] for b in self.batch_sizes]
+        self.samples = [rows[b][1] for b in self.batch_sizes]
+
+    def refine(self, B: int, rho: float, seconds: float) -> None:
+        """Fold a step's measured seconds into the entry (B, rho): a running mean over the entry's
+        samples, at most the last MEMORY of them, each clamped to CLAMP times the entry so one stall
+        moves it little. What the serving loop pays replaces what a few timed steps measured, run after
+        run. Unmeasured entries (inf) stay so."""
+        i, j = self.batch_sizes.index(B), self.rhos.index(rho)
+        old, n = self.seconds[i][j], min(self.samples[i][j], MEMORY - 1)
+        if not math.isinf(old):
+            self.seconds[i][j] = (n * old + min(max(seconds, old / CLAMP), old * CLAMP)) / (n + 1)
+            self.samples[i][j] = n + 1
 
     def to_json(self) -> dict:
         seconds = [[None if math.isinf(x) else x for x in row] for row in self.seconds]
-        return {"batch_sizes": self.batch_sizes, "rhos": self.rhos, "seconds": seconds, "meta": self.meta,
-                "state": self.state}
+        return {"batch_sizes": self.batch_sizes, "rhos": self.rhos, "seconds": seconds, "samples": self.samples,
+                "meta": self.meta, "state": self.state}
 
     def save(self, path: Path) -> Path:
         """Write atomically: a run stopped half-way leaves the previous file whole."""
@@ -91,7 +110,7 @@ class CostTable:
             d = json.loads(Path(path).read_text())
             return cls([int(b) for b in d["batch_sizes"]], [float(r) for r in d["rhos"]],
                        [[math.inf if x is None else float(x) for x in row] for row in d["seconds"]],
-                       d.get("meta", {}), d.get("state", {}))
+                       d.get("meta", {}), d.get("state", {}), d.get("samples"))
         except FileNotFoundError:
             raise CostTableError(f"cost table {path} not found") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:

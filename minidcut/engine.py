@@ -157,12 +157,17 @@ class Engine:
 
     def measure_row(self, batch: Batch, b: int) -> float:
         """Measure the policy's missing cost row at bucket b on the live rows (their outputs and
-        positions are left as they were) and add it to the table. Returns its seconds."""
+        positions are left as they were), add it to the table, and let the policy learn from what the
+        timed drafting steps would have accepted (no seconds: they are not the loop's). Returns its seconds."""
         t0 = time.perf_counter()
         self.catch_up(batch)  # drafting steps need the drafter's whole context
-        row = profiler.measure_live(self, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
-                                    batch.limits(b), len(batch.live), on_step=self.on_measure)
-        self.policy.table.add_row(b, row)
+        rows = batch.live
+        row, samples, seen = profiler.measure_live(self, batch.anchor[:b], batch.anchor_pos[:b],
+                                                   batch.request_ids[:b], batch.limits(b), rows, on_step=self.on_measure)
+        self.policy.table.add_row(b, row, samples)
+        for rho, predicted, accepted in seen:
+            self.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
+                                           accepted=accepted))
         return time.perf_counter() - t0
 
     def catch_up(self, batch: Batch) -> float:

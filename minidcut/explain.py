@@ -27,8 +27,10 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
     parts = [f"rho {r:g}: {b} x {budget(r, b, policy.depth) / b:g} drafts, {c / ar:.1f} AR steps"
              for r, c in zip(policy.rhos, costs) if r > 0 and not math.isinf(c)]
     if ar is not None and parts:
-        lines.append(f"cost table at bucket {b}: an AR step {1e3 * ar:.1f} ms; a drafting step verifying "
-                     + "; ".join(parts) + f" (a request must commit that many tokens per step for it to pay)")
+        steps = sum(policy.table.samples[policy.table.batch_sizes.index(b)])
+        lines.append(f"cost table at bucket {b} ({steps} steps behind it): an AR step {1e3 * ar:.1f} ms; a drafting "
+                     "step verifying " + "; ".join(parts)
+                     + " (a request must commit that many tokens per step for it to pay)")
     cut = [f"{r:g}" for r, c in zip(policy.rhos, costs) if math.isinf(c)]
     if cut:
         lines.append(f"rho {', '.join(cut)} not measured at bucket {b}: its cost could not beat a smaller budget")

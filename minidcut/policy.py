@@ -5,8 +5,9 @@
   static   one fixed rho: the global top K = round(rho * B * D) drafts
   dcut     rho* = argmax gain(rho) / cost(b, rho) every step, from a cost table measured on this machine
            (docs/method.md, "Choosing rho"), with two online extensions that each can be switched off:
-           calibration.py (the drafter's confidences and the table's seconds, corrected by what steps
-           realize) and skipping.py (whether to draft at all at this bucket).
+           calibration (the drafter's confidences corrected by what steps accept, calibration.py; the
+           table's seconds refined by what steps take, CostTable.refine) and skipping.py (whether to
+           draft at all at this bucket).
 
 The engine asks the policy once per step what to run (plan -> StepPlan) and reports the step back as
 one StepRecord (observe). What dcut learns online is its `state`, which the CLIs keep beside the cost
@@ -109,7 +110,7 @@ class Policy:
         if not self.can_skip or self.costs(bucket) is None:
             return None
         if bucket not in self.skipping:
-            self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.costs(bucket), self.calibration,
+            self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.calibration,
                                                  self.depth, **self._skip_kw)
         return self.skipping[bucket]
 
@@ -136,10 +137,13 @@ class Policy:
         return torch.argmax(self.committed(gain, n_live, gain_scale) / cost)
 
     def observe(self, rec: StepRecord) -> None:
-        """Learn from one step: calibration, then the skip decision of its bucket."""
-        costs = self.costs(rec.bucket)
-        if costs is not None:
-            self.calibration.observe(rec, dict(zip(self.rhos, costs)))
+        """Learn from one step: calibration (the gain scale, and the table entry the step ran at), then
+        the skip decision of its bucket. A drafting step that kept nothing refines no entry (it is
+        neither an AR step nor a step at the smallest budget)."""
+        self.calibration.observe(rec)
+        if self.calibration.enabled and rec.seconds > 0 and self.costs(rec.bucket) is not None:
+            if rec.drafted and rec.rho > 0 or not rec.drafted and 0.0 in self.rhos:
+                self.table.refine(rec.bucket, rec.rho if rec.drafted else 0.0, rec.seconds)
         skip = self.skip(rec.bucket)
         if skip is not None:
             skip.observe(rec)

@@ -26,6 +26,7 @@ from .cost_model import CostTable
 from .policy import StepPlan
 
 REPLAYED = 3  # runs after which a graph is compiled, recorded and replayed (engine.warmup)
+LIVE_SAMPLES, LIVE_SECONDS = 3, 0.2  # measure_live times a cell up to 3 times while that stays under 0.2 s
 
 
 def nondecreasing(xs: list[float]) -> list[float]:
@@ -43,7 +44,8 @@ def nondecreasing(xs: list[float]) -> list[float]:
 
 def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, ri: int):
     """Seconds of one step at the grid's rho index ri on rows [0, b) (K = 0: a step without a draft),
-    and its Draft (None for K = 0). Nothing advances: the rows' anchors and positions are not touched."""
+    its Draft (None for K = 0) and its committed tokens per row n_commit [b]. Nothing advances: the
+    rows' anchors and positions are not touched."""
     b, dev = anchor.shape[0], anchor.device
     K = engine.budgets(b)[ri]
     plan = StepPlan(True, [1.0] * len(engine.policy.rhos), 1.0)  # costs do not change the work
@@ -52,39 +54,51 @@ def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, r
     t0 = time.perf_counter()
     draft = None
     if K == 0:
-        commit = engine.graph("verify", b, 0, kv=False)(anchor, anchor_pos, ids, None, None)[0]
+        commit, n_commit = engine.graph("verify", b, 0, kv=False)(anchor, anchor_pos, ids, None, None)[:2]
     else:
         draft = engine.draft(anchor, anchor_pos, limit, n_live, plan)  # syncs on rho*, as a real step
-        commit = engine.graph("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri])[0]
-    commit.cpu()
-    return time.perf_counter() - t0, draft
+        commit, n_commit = engine.graph("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri])[:2]
+    host = torch.cat([commit, n_commit[:, None]], dim=1).cpu()
+    return time.perf_counter() - t0, draft, host[:, -1]
 
 
 @torch.inference_mode()
-def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, repeats: int = 1,
-                 on_step=None) -> list[float]:
+def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[int], repeats: int = 1,
+                 on_step=None) -> tuple[list[float], list[int], list[tuple[float, float, int]]]:
     """The cost row [n_rho] of bucket b = len(anchor) measured on these live rows (module docstring):
-    per rho one untimed step unless its graphs already replay, then the median of `repeats`.
-    on_step(b, rho) after every step."""
-    b, rhos, policy = anchor.shape[0], engine.policy.rhos, engine.policy
+    per rho one untimed step unless its graphs already replay, then the median of `repeats` timed steps,
+    or of up to LIVE_SAMPLES while they take less than LIVE_SECONDS (cheap steps are noisy). Also
+    the timed steps behind each entry, and what each drafting rho's step would have done, (rho,
+    expected accepted drafts, accepted drafts)
+    over the live rows (their indices): real acceptance the policy can learn from. on_step(b, rho)
+    after every step."""
+    b, rhos, policy, n_live = anchor.shape[0], engine.policy.rhos, engine.policy, len(live)
     Ks = engine.budgets(b)
+    seen, samples = [], [0] * len(rhos)
 
     def cell(ri: int) -> float:
         keys = [("verify", b, Ks[ri], Ks[ri] > 0)] + ([("draft", b, 0, True)] if Ks[ri] else [])
         warm = any(engine.calls[k] < REPLAYED for k in keys)
-        times = [timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri)[0]
-                 for _ in range(warm + repeats)][warm:]
+        for _ in range(warm):
+            timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri)
+        steps = []
+        while len(steps) < repeats or (len(steps) < LIVE_SAMPLES and sum(s[0] for s in steps) < LIVE_SECONDS):
+            steps.append(timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri))
+        _, draft, n_commit = steps[-1]
+        if draft is not None:
+            seen.append((rhos[ri], float(draft.gain[ri]), int(n_commit[live].sum()) - len(live)))
         if on_step is not None:
             on_step(b, rhos[ri])
-        return statistics.median(times)
+        samples[ri] = len(steps)
+        return statistics.median(s[0] for s in steps)
 
     row = [math.inf] * len(rhos)
     drafting = [ri for ri, K in enumerate(Ks) if K > 0]
     for ri in (ri for ri, K in enumerate(Ks) if K == 0):
         row[ri] = cell(ri)
     if not drafting:
-        return row
-    gain = timed_step(engine, anchor, anchor_pos, ids, limit, n_live, drafting[-1])[1].gain.tolist()
+        return row, samples, seen
+    gain = engine.draft(anchor, anchor_pos, limit, n_live, StepPlan(True, [1.0] * len(rhos), 1.0)).gain.tolist()
     scale = torch.tensor(policy.calibration.gain_scale)
     rate = [float(policy.committed(torch.tensor(g), torch.tensor(float(n_live)), scale)) for g in gain]
     best = max((rate[ri] / row[ri] for ri in range(len(rhos)) if Ks[ri] == 0), default=0.0)
@@ -96,7 +110,7 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int,
     measured = [ri for ri in drafting if not math.isinf(row[ri])]
     for ri, x in zip(measured, nondecreasing([row[ri] for ri in measured])):
         row[ri] = x
-    return row
+    return row, samples, seen
 
 
 @torch.inference_mode()
@@ -141,7 +155,7 @@ def measure(table: CostTable, engine, batch_sizes: list[int], context_len: int, 
         times = time_steps(engine, B, context_len, repeats, warmup,
                            on_step=(lambda rho, B=B: on_step(B, rho)) if on_step else None)
         medians = [statistics.median(t) for t in times]
-        table.add_row(B, medians[:n_ar] + nondecreasing(medians[n_ar:]))
+        table.add_row(B, medians[:n_ar] + nondecreasing(medians[n_ar:]), repeats)
         raw[str(B)] = medians
         spread[str(B)] = [(max(t) - min(t)) / statistics.median(t) for t in times]
     table.meta.update(context_len=context_len, repeats=repeats,

@@ -14,32 +14,33 @@ from __future__ import annotations
 import torch
 
 
-MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
-    """(x * m) mod 2^32 for x in [0, 2^32) in int64 without overflow (m split into 16-bit halves)."""
-    return (x * (m & 0xFFFF) + (((x * (m >> 16)) & 0xFFFF) << 16)) & MASK32
+def _i32(x: int) -> int:
+    """A 32-bit constant as the int32 with the same bits."""
+    return x - (1 << 32) if x >= 1 << 31 else x
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash with good avalanche (xorshift-multiply, "lowbias32"), on int64 tensors."""
-    x = x & MASK32
-    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
-    x = _mul32(x ^ (x >> 15), 0x846CA68B)
-    return x ^ (x >> 16)
+    """A 32-bit integer hash with good avalanche (xorshift-multiply, "lowbias32") on int32 tensors:
+    the bits are read as unsigned; products wrap mod 2^32 and `>>` is made logical by a mask."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _i32(0x7FEB352D)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _i32(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def sample_keys(seed: int, request: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The key of the draw for the token at position pos of request `request` [N] -> [N]."""
-    return mix32(mix32(mix32(torch.full_like(request, seed & MASK32)) ^ request) ^ pos)
+    """The key of the draw for the token at position pos of request `request` [N] -> int32 [N]."""
+    seeded = mix32(torch.full(request.shape, _i32(seed & 0xFFFFFFFF), dtype=torch.int32, device=request.device))
+    return mix32(mix32(seeded ^ request.to(torch.int32)) ^ pos.to(torch.int32))
 
 
 def exponential_noise(keys: torch.Tensor, V: int) -> torch.Tensor:
-    """E ~ Exp(1) [N, V], a function of the keys [N] only."""
-    token = mix32(torch.arange(V, device=keys.device) + 0x9E3779B9)  # [V]
-    h = mix32(keys[:, None] ^ token)  # [N, V]
-    u = ((h >> 8).float() + 0.5) / 2.0 ** 24  # uniform in (0, 1), 24 bits
+    """E ~ Exp(1) [N, V] (float32), a function of the keys [N] only. Its integer temporaries are int32
+    [N, V], half what int64 would hold over a whole vocabulary."""
+    token = mix32(torch.arange(V, dtype=torch.int32, device=keys.device) + _i32(0x9E3779B9))  # [V]
+    h = mix32(keys[:, None] ^ token)  # [N, V] int32
+    u = (((h >> 8) & 0xFFFFFF).float() + 0.5) / 2.0 ** 24  # uniform in (0, 1), 24 bits
     return -torch.log(u)
 
 

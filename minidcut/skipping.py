@@ -15,6 +15,7 @@ A probe costs a drafting step instead of an AR step, gains the drafts drafting u
 (a long running mean), and first writes the drafter's context of the skipped steps (its measured
 catch-up). Its period keeps that net cost under PROBE_BUDGET of the time.
 
+Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
 Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
 controller never drafts (`possible` is False). Without a table row for this batch size it does not
 draft either: it has nothing to compare with.
@@ -31,14 +32,11 @@ STATE = ("state", "margin", "drafting_steps", "skipped", "catchup", "accepted") 
 
 
 class SkipDrafting:
-    def __init__(self, B: int, rhos: list[float], costs: list[float] | None, calibration, D: int = 15,
-                 patience: int = 4, probe_every: int = 16):
-        self.B, self.calibration = B, calibration
+    def __init__(self, B: int, rhos: list[float], table, calibration, D: int = 15, patience: int = 4,
+                 probe_every: int = 16):
+        self.B, self.rhos, self.D, self.table, self.calibration = B, rhos, D, table, calibration
         self.patience, self.probe_every = patience, probe_every
-        self.cost = dict(zip(rhos, costs)) if costs is not None else None  # table seconds by rho at B
         self.rho_min = min(r for r in rhos if r > 0)
-        self.possible = self.cost is not None and any(
-            (B + round(r * B * D)) / self.cost[r] > B / self.cost[0.0] for r in rhos if r > 0)
         self.state = "drafting" if self.possible else "off"
         self.margin = 0.0  # decayed sum of (predicted committed - AR-equivalent) tokens per row
         self.drafting_steps = 0
@@ -46,6 +44,17 @@ class SkipDrafting:
         self.catchup = 0.0  # seconds the last probe spent catching the drafter's context up
         self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
         self.period = self.probe_period()
+
+    @property
+    def cost(self) -> dict[float, float]:
+        """The table's seconds by rho at B, as refined so far."""
+        return dict(zip(self.rhos, self.table.row(self.B, self.rhos)))
+
+    @property
+    def possible(self) -> bool:
+        """Whether some rho > 0 would beat an AR step if every kept draft were accepted."""
+        cost = self.cost
+        return any((self.B + round(r * self.B * self.D)) / cost[r] > self.B / cost[0.0] for r in self.rhos if r > 0)
 
     @property
     def state_dict(self) -> dict:
@@ -63,10 +72,9 @@ class SkipDrafting:
         self.period = self.probe_period()
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:
-        """Calibrated seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
+        """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
         draft was paid, priced as the smallest rho > 0)."""
-        table = self.cost[(rho or self.rho_min) if drafting else 0.0]
-        return table * self.calibration.cost_scale(drafting)
+        return self.cost[(rho or self.rho_min) if drafting else 0.0]
 
     def probe_period(self) -> int:
         """AR steps between probes, so that probes cost at most PROBE_BUDGET of the AR steps' time."""
@@ -85,7 +93,9 @@ class SkipDrafting:
         return value - self.seconds(True, rec.rho if kept else 0.0) / self.seconds(False)
 
     def draft_now(self) -> bool:
-        if self.state == "off" and self.possible:
+        if not self.possible:
+            return False
+        if self.state == "off":
             self.skipped += 1
             if self.skipped >= self.period:
                 self.state = "probing"

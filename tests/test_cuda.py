@@ -220,7 +220,7 @@ def dcut_engine(gpu_pair):
     compiling its graphs caused."""
     target, drafter, _, _ = gpu_pair
     counters.clear()
-    engine = make_engine(target, drafter, Policy.dcut(mixed_table(), GRID))
+    engine = make_engine(target, drafter, Policy.dcut(mixed_table(), GRID, calibrate=False))
     engine.warmup()
     return engine, cudagraph_skips()
 

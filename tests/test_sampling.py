@@ -17,7 +17,7 @@ from minidcut.dcut import select
 from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
-from minidcut.sampling import accept, sample, sample_keys
+from minidcut.sampling import accept, mix32, sample, sample_keys
 from tiny import make_drafter, make_model
 
 
@@ -88,6 +88,45 @@ def test_a_keyed_draw_depends_on_its_key_alone():
 
 
 # ---- (b) accept -----------------------------------------------------------------------------------
+
+def lowbias32(x: int) -> int:
+    """The reference hash on Python ints (unsigned 32-bit)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_the_int32_hash_is_the_unsigned_32_bit_hash():
+    xs = torch.randint(-(2 ** 31), 2 ** 31, (2000,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    got = mix32(xs.to(torch.int32)).tolist()
+    assert [g & 0xFFFFFFFF for g in got] == [lowbias32(x & 0xFFFFFFFF) for x in xs.tolist()]
+
+
+def test_sampling_makes_no_int64_temporary_over_the_vocabulary():
+    """Keyed noise for T = 8 rows over V = 5000: every tensor the sampler makes that spans [T, V] is
+    int32, float32 or bool (an int64 one would be 8 bytes a logit). Top-p < 1 adds the sort's int64
+    indices, which torch.sort always returns."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.big = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.numel() >= 8 * 5000:
+                    self.big.add(t.dtype)
+            return out
+    logits = torch.randn(8, 5000)
+    keys = sample_keys(0, torch.arange(8), torch.arange(8) + 3)
+    with Record() as rec:
+        sample(logits, 0.8, 1.0, keys)
+    assert rec.big and torch.int64 not in rec.big, rec.big
+
 
 def test_accept_counts_the_matching_prefix_within_keep_len():
     drafts = torch.tensor([[1, 2, 3, 4]] * 6)  # [B, D]

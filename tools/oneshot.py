@@ -4,8 +4,9 @@ For each batch size B: the first n prompts of a prompt file (n = 2B, at least 8)
 of its own that starts empty (as in a fresh checkout). Then ar, dcut, ar, dcut, ... (--runs pairs), each
 a new process. dcut's first run measures the cost rows it reaches and learns from nothing; the later
 ones start from what the earlier ones saved. Reported per B: AR tok/s (median of its runs), dcut's first
-run and the median of its later runs against it, and every run's wall time (process start to exit) and
-the seconds the first run spent measuring its cost rows. Writes JSON.
+run and the median of its later runs against it, the median of the paired ratios (each dcut run over
+the AR run just before it: drifts of a shared machine cancel), and every run's wall time (process start
+to exit) and the seconds the first run spent measuring its cost rows. Writes JSON.
 
     python tools/oneshot.py --batch-sizes 1,4,16,32,64 --output docs/bench/oneshot_demo.json
 """
@@ -40,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="1,4,16,32,64")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 8))")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=3, help="runs of each policy per batch size (default: %(default)s)")
+    p.add_argument("--runs", type=int, default=5, help="runs of each policy per batch size (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", default=None, help="JSON with every run")
     return p.parse_args(argv)
@@ -70,7 +71,8 @@ def run(args, console: Console) -> int:
     out = {"target": args.target, "drafter": args.drafter, "prompts": args.prompts, "chat": args.chat,
            "max_new_tokens": args.max_new_tokens, "per_batch": {}}
     t = Table(title="python -m minidcut.generate, one process per run (dcut / AR tok/s; wall s)")
-    for c in ("B", "AR tok/s", "dcut 1st", "dcut later", "AR wall", "dcut 1st wall", "of it measuring", "dcut later wall"):
+    for c in ("B", "AR tok/s", "dcut 1st", "dcut later", "later, paired", "AR wall", "dcut 1st wall", "of it measuring",
+              "dcut later wall"):
         t.add_column(c, justify="right")
     for B in batch_sizes:
         n = args.num_prompts or max(2 * B, 8)
@@ -90,12 +92,17 @@ def run(args, console: Console) -> int:
         ar_wall = statistics.median(r["wall_seconds"] for r in ar)
         later = statistics.median(r["tokens_per_second"] for r in dc[1:]) if len(dc) > 1 else None
         later_wall = statistics.median(r["wall_seconds"] for r in dc[1:]) if len(dc) > 1 else None
+        paired = [d["tokens_per_second"] / a["tokens_per_second"] for a, d in zip(ar[1:], dc[1:])]
         out["per_batch"][str(B)] = {
             "prompts": n, "ar_tokens_per_second": ar_tps, "dcut_first_vs_ar": dc[0]["tokens_per_second"] / ar_tps,
-            "dcut_later_vs_ar": later / ar_tps if later else None, "ar_wall_seconds": ar_wall,
+            "dcut_later_vs_ar": later / ar_tps if later else None,
+            "dcut_later_vs_ar_paired": statistics.median(paired) if paired else None,
+            "paired_range": [min(paired), max(paired)] if paired else None, "ar_wall_seconds": ar_wall,
             "dcut_first_wall_vs_ar": dc[0]["wall_seconds"] / ar_wall, "runs": runs}
         t.add_row(str(B), f"{ar_tps:.1f}", f"{dc[0]['tokens_per_second'] / ar_tps:.2f}x",
-                  f"{later / ar_tps:.2f}x" if later else "-", f"{ar_wall:.1f}",
+                  f"{later / ar_tps:.2f}x" if later else "-",
+                  f"{statistics.median(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})" if paired else "-",
+                  f"{ar_wall:.1f}",
                   f"{dc[0]['wall_seconds']:.1f} ({dc[0]['wall_seconds'] / ar_wall:.2f}x)",
                   f"{dc[0]['profile_seconds']:.1f}", f"{later_wall:.1f}" if later_wall else "-")
     console.print(t)
