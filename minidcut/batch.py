@@ -16,6 +16,25 @@ class Request:
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
 
+    @classmethod
+    def checked(cls, prompts: list[list[int]], max_new_tokens: int, vocab: int, block: int,
+                max_seq: int) -> list["Request"]:
+        """The requests of a generate() call, or ValueError (one line) for one an engine cannot serve:
+        an empty prompt, a token outside [0, vocab), or prompt + new tokens + a draft block > max_seq."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            bad = next(((j, t) for j, t in enumerate(p) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i}: token id {bad[1]} at position {bad[0]} is outside the "
+                                 f"vocabulary [0, {vocab})")
+            if len(p) + max_new_tokens + block > max_seq:
+                raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {max_new_tokens} new tokens + "
+                                 f"{block} for a draft block exceed the engine's {max_seq} positions")
+        return [cls(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
+
     @property
     def anchor_pos(self) -> int:
         """Position of the last committed token (the anchor of the next block)."""

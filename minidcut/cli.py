@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import sys
@@ -146,22 +147,35 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def prompt_file_lines(path) -> list[str]:
+    """The lines of a prompts file (JSONL, or JSONL.gz when the name ends in .gz), numbered from 1 as
+    read_prompts names them; UserError if it is missing or not UTF-8."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"prompts file {p} not found")
+    raw = p.read_bytes()
+    if p.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise UserError(f"{p}: not a gzip file ({e})") from None
+    try:
+        return raw.decode("utf-8").split("\n")  # not splitlines(): U+2028 inside a JSON string is no line end
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(f"{p}:{line}: not UTF-8 text") from None
+
+
 def read_prompts(path: str | None, texts: list[str] | None, tokenizer, chat: bool = False,
                  model: str = "the target", default: list[str] | None = None) -> tuple[list[list[int]], list[str]]:
     """Token ids of every prompt, and where each came from ("file:line" or "--prompt N"), from a JSONL
-    file (lines {"prompt": "..."}, {"input_ids": [...]} or {"messages": [...]}) and --prompt texts;
-    `default` when there are none. chat: text prompts go under the tokenizer's chat template."""
+    file (lines {"prompt": "..."}, {"input_ids": [...]} or {"messages": [...]}; .gz read as gzip) and
+    --prompt texts; `default` when there are none. chat: text prompts go under the tokenizer's chat
+    template."""
     items: list[tuple[object, str]] = []
     if path:
         p = Path(path)
-        if not p.is_file():
-            raise UserError(f"prompts file {p} not found")
-        try:
-            lines = p.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            line = p.read_bytes()[: e.start].count(b"\n") + 1
-            raise UserError(f"{p}:{line}: not UTF-8 text") from None
-        for n, line in enumerate(lines, 1):
+        for n, line in enumerate(prompt_file_lines(p), 1):
             if line.strip():
                 items.append((parse_prompt_line(line, f"{p}:{n}"), f"{p}:{n}"))
         if not items:
@@ -190,7 +204,8 @@ def read_prompts(path: str | None, texts: list[str] | None, tokenizer, chat: boo
 
 
 def parse_prompt_line(line: str, where: str):
-    """One JSONL line -> a text, a list of token ids, or a list of chat messages."""
+    """One JSONL line -> a text, a list of token ids, or a list of chat messages (preferred over a
+    "prompt" on the same line: a follow-up keeps its conversation)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -198,12 +213,12 @@ def parse_prompt_line(line: str, where: str):
     if isinstance(obj, dict) and isinstance(obj.get("input_ids"), list) and \
             all(isinstance(t, int) for t in obj["input_ids"]):
         return obj["input_ids"]
-    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-        return obj["prompt"]
     if isinstance(obj, dict) and isinstance(obj.get("messages"), list) and obj["messages"] and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in obj["messages"]):
         return obj["messages"]
+    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+        return obj["prompt"]
     raise UserError(f'{where}: expected {{"prompt": "..."}}, {{"input_ids": [...]}} or '
                     f'{{"messages": [{{"role": ..., "content": ...}}, ...]}}')
 

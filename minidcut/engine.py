@@ -100,8 +100,7 @@ class Engine:
         Stats). on_finish(index, output) as each request finishes; on_step(stats, record) after each
         step; trace: keep per drafting step the live rows' prefix scores, keep_len and accepted drafts
         in stats.trace (an extra host copy per step: for evaluation, not for speed)."""
-        self.validate(prompts, max_new_tokens)
-        requests = [Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
+        requests = Request.checked(prompts, max_new_tokens, self.target.cfg.vocab_size, self.block, self.max_seq)
         pending = collections.deque(requests)
         stats = Stats(policy=self.policy.label, batch_size=self.batch_size, requests=len(requests),
                       trace=[] if trace else None)
@@ -120,7 +119,7 @@ class Engine:
         b = self.bucket(batch, compact=not pending)
         rows = batch.live
         if self.drafter is not None and self.policy.needs_row(b):
-            stats.seconds["profile"] += self.measure_row(batch, b)
+            stats.seconds["profile"] += profiler.measure_row(self, batch, b)
         plan = self.policy.plan(b) if self.drafter is not None else None
         drafting = plan is not None and plan.draft
         catchup = self.catch_up(batch) if drafting else 0.0
@@ -154,21 +153,6 @@ class Engine:
             for row, tok in zip(free, first):
                 self.emit(batch, row, [tok], stats, on_finish)
             stats.seconds["prefill"] += time.perf_counter() - t0
-
-    def measure_row(self, batch: Batch, b: int) -> float:
-        """Measure the policy's missing cost row at bucket b on the live rows (their outputs and
-        positions are left as they were), add it to the table, and let the policy learn from what the
-        timed drafting steps would have accepted (no seconds: they are not the loop's). Returns its seconds."""
-        t0 = time.perf_counter()
-        self.catch_up(batch)  # drafting steps need the drafter's whole context
-        rows = batch.live
-        row, samples, seen = profiler.measure_live(self, batch.anchor[:b], batch.anchor_pos[:b],
-                                                   batch.request_ids[:b], batch.limits(b), rows, on_step=self.on_measure)
-        self.policy.table.add_row(b, row, samples)
-        for rho, predicted, accepted in seen:
-            self.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
-                                           accepted=accepted))
-        return time.perf_counter() - t0
 
     def catch_up(self, batch: Batch) -> float:
         """Before drafting after skipped steps: write the drafter's context K/V of the positions
@@ -276,10 +260,8 @@ class Engine:
         return self.graphs[key]
 
     def counted(self, key: tuple, fn):
-        def run(*args):
-            self.calls[key] += 1
-            return fn(*args)
-        return run
+        """fn, counting its runs in self.calls[key]."""
+        return lambda *args: (self.calls.update([key]), fn(*args))[1]
 
     def _draft(self, anchor, anchor_pos, inputs):
         """Draft one block per row and run the D-cut selector for every rho of the grid.
@@ -337,7 +319,7 @@ class Engine:
         if self.drafter is not None:
             self.drafter.add_context(taps, row, pos, kv=kv)
         # Empty rows keep stepping too; the clamp keeps their positions inside the cache (a live
-        # row never reaches it: validate() checks prompt + max_new_tokens + block <= max_seq).
+        # row never reaches it: Request.checked makes sure prompt + max_new_tokens + block <= max_seq).
         new_pos = (anchor_pos + accepted + 1).clamp(max=self.max_seq - self.block - 1)
         return commit, accepted + 1, bonus[:, 0], new_pos
 
@@ -391,19 +373,3 @@ class Engine:
                     ri = self.budgets(b).index(K)
                     fn(*z, drafts[b].drafts, drafts[b].keep_lens[ri].clone())
         return time.perf_counter() - t0
-
-    def validate(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        """Requests this engine can serve: ValueError (one line) otherwise."""
-        V = self.target.cfg.vocab_size
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            bad = next(((j, t) for j, t in enumerate(p) if not 0 <= t < V), None)
-            if bad is not None:
-                raise ValueError(f"prompt {i}: token id {bad[1]} at position {bad[0]} is outside the "
-                                 f"vocabulary [0, {V})")
-            if len(p) + max_new_tokens + self.block > self.max_seq:
-                raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {max_new_tokens} new tokens + "
-                                 f"{self.block} for a draft block exceed the engine's {self.max_seq} positions")

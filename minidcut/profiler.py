@@ -2,7 +2,9 @@
 drafting) per (bucket, rho): the numbers a cost table holds (cost_model.py). Every timed step runs on the
 engine of the run, so it reads the same caches at the same positions through the same graphs.
 
-measure_live  a run's first step at a bucket whose row is missing: each rho timed on the live rows
+measure_row   a run's first step at a bucket whose row is missing (Engine.step): measure_live, then
+              the row goes into the table and the policy learns from the timed drafting steps.
+measure_live  each rho timed on the live rows
               themselves. Positions do not advance and nothing is emitted: what a timed step writes
               into the caches lies at or past each row's anchor, which the next real step writes again
               before anything reads it, so the output is unchanged. Rhos go up from the smallest; the
@@ -23,7 +25,7 @@ import torch
 
 from .batch import Request
 from .cost_model import CostTable
-from .policy import StepPlan
+from .policy import StepPlan, StepRecord
 
 REPLAYED = 3  # runs after which a graph is compiled, recorded and replayed (engine.warmup)
 LIVE_SAMPLES, LIVE_SECONDS = 3, 0.2  # measure_live times a cell up to 3 times while that stays under 0.2 s
@@ -111,6 +113,23 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     for ri, x in zip(measured, nondecreasing([row[ri] for ri in measured])):
         row[ri] = x
     return row, samples, seen
+
+
+def measure_row(engine, batch, b: int) -> float:
+    """Measure the engine's policy's missing cost row at bucket b on the batch's live rows (their
+    outputs and positions are left as they were), add it to the table, and let the policy learn from
+    what the timed drafting steps would have accepted (no seconds: they are not the loop's). Returns
+    its seconds."""
+    t0 = time.perf_counter()
+    engine.catch_up(batch)  # drafting steps need the drafter's whole context
+    rows = batch.live
+    row, samples, seen = measure_live(engine, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
+                                      batch.limits(b), rows, on_step=engine.on_measure)
+    engine.policy.table.add_row(b, row, samples)
+    for rho, predicted, accepted in seen:
+        engine.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
+                                         accepted=accepted))
+    return time.perf_counter() - t0
 
 
 @torch.inference_mode()

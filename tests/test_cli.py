@@ -360,3 +360,22 @@ def test_ctrl_c_keeps_finished_requests_and_says_so_in_one_line(models, tmp_path
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == [f"interrupted: {len(lines)} of 400 requests written to {out}"]
     assert 3 <= len(lines) < 400 and [r["index"] for r in lines] == list(range(len(lines)))
+
+
+def test_prompts_files_may_be_gzipped_and_a_messages_line_keeps_its_conversation(models, tmp_path):
+    import gzip
+
+    from minidcut import cli as cli_mod
+    tok = models["tok"]
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    lines = [{"prompt": "def add"}, {"prompt": "class", "messages": [{"role": "user", "content": "a"},
+                                                                      {"role": "assistant", "content": "b"},
+                                                                      {"role": "user", "content": "class"}]}]
+    path = tmp_path / "p.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(x) + "\n" for x in lines).encode()))
+    ids, names = cli_mod.read_prompts(str(path), None, tok, chat=True)
+    assert names == [f"{path}:1", f"{path}:2"]
+    assert tok.decode(ids[1]) == "<user>a\n<assistant>b\n<user>class\n<assistant>"  # the follow-up, in context
+    (tmp_path / "bad.gz").write_bytes(b"not gzip")
+    with pytest.raises(cli_mod.UserError, match="not a gzip file"):
+        cli_mod.read_prompts(str(tmp_path / "bad.gz"), None, tok)

@@ -147,3 +147,28 @@ def test_policies_side_by_side_example_runs(pair):
     out = run_example("policies_side_by_side.py", "--target", target, "--drafter", drafter, "--prompts",
                       prompts, "--batch-sizes", "2", "--max-new-tokens", "8")
     assert "dcut" in out and "full" in out
+
+
+def code_examples() -> dict[str, str]:
+    """Every ```python block of the README and docs/, and every example in a module docstring of
+    minidcut/ (an indented block that starts with `import minidcut`), by where it is."""
+    out = {}
+    for doc in ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)):
+            out[f"{doc}#{i}"] = block
+    for path in sorted((ROOT / "minidcut").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        for i, block in enumerate(re.findall(r"((?:\n    import minidcut\n)(?:    .*\n?)+)", "\n" + doc + "\n")):
+            out[f"minidcut/{path.name}#{i}"] = "\n".join(line[4:] for line in block.strip("\n").splitlines())
+    return out
+
+
+def test_the_readme_and_the_docstrings_have_examples():
+    assert {"README.md#0", "minidcut/api.py#0", "minidcut/runtime.py#0"} <= set(code_examples())
+
+
+@pytest.mark.parametrize("where", sorted(code_examples()))
+def test_every_code_example_in_the_readme_docs_and_docstrings_runs(where):
+    r = subprocess.run([sys.executable, "-c", code_examples()[where]], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -75,7 +75,7 @@ MODEL_KEYS = {"target_config", "drafter_config", "layers", "params", "build_seco
 RECORD_KEYS = {"batch_size", "policy", "tokens_per_second", "tokens_per_second_runs", "speedup_vs_ar", "tau",
                "keep_ratio", "rho_histogram", "bucket_histogram", "seconds", "steps", "generated_tokens",
                "warmup_seconds", "compile_seconds", "new_graphs", "new_graphs_while_timed", "drafting_steps",
-               "drafting_share"}
+               "drafting_share", "graph_runs", "syncs_per_step"}
 
 
 def test_one_tiny_model_profiles_and_benches_one_batch_size_eagerly_into_a_report_with_every_key(tmp_path):
@@ -89,6 +89,7 @@ def test_one_tiny_model_profiles_and_benches_one_batch_size_eagerly_into_a_repor
     assert {r["policy"] for r in model["bench"]} == set(gpu_check.POLICIES)
     for rec in model["bench"]:
         assert set(rec) == RECORD_KEYS and rec["generated_tokens"] == 2 * s["new_tokens"]
+    assert all(n > 0 for n in rec["graph_runs"]) and rec["syncs_per_step"] == [None] * len(rec["graph_runs"])  # no CUDA
     assert model["bench_info"]["errors"] == {} and set(model["summary"]["per_batch"]) == {2}
 
     env = gpu_check.environment("cpu")

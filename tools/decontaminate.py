@@ -9,9 +9,9 @@ tokenizer, `--tokenizer`, default the directory the file records; the prompt par
 the target's answers too with `--answers`). A TEST file is .jsonl, .json or either gzipped; every string
 in it, at any depth, is test text. Texts are compared as lowercase words without punctuation
 (tools/dedup.py:words): DATA fails when one of its lines holds a run of --n (13) words, not all numbers,
-that a test text holds too. Exit status 0 with one line `clean: ...`, or 1 with one line naming the first offending line,
-the test file and line it matches, and how many lines of DATA match in all. The test sets are not part of
-this repository: models/smollm2-135m-instruct-dflash/DATA.md says where they come from.
+that a test text holds too. Exit status 0 with one line `clean: ...`, or 1 with one line naming the first
+offending line, the test file and line it matches, and how many lines of DATA match in all. The test sets
+are not part of this repository: models/smollm2-135m-instruct-dflash/DATA.md says where they come from.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def evaluate(target, drafter, prompts, batch_size: int, max_new_tokens: int, com
 def prompt_domains(path: str, names: list[str]) -> list[str] | None:
     """Each prompt's "domain" field (found by its "file:line" name, cli.read_prompts), "none" where a line
     has none; None when no line has one."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()  # numbered as cli.read_prompts numbers them
+    lines = cli.prompt_file_lines(path)  # numbered as cli.read_prompts numbers them
     out = []
     for name in names:
         d = json.loads(lines[int(name.rsplit(":", 1)[1]) - 1]).get("domain")

@@ -18,8 +18,9 @@ side-by-side bench on random-weight models of real shapes, in one JSON report.
            drafters keep all 5 layers.
 3. per model: a compiled cost table (minidcut.profiler) at each batch size, then ar, full, static:0.5
            and dcut side by side at each batch size on random prompts, interleaved as minidcut.bench.
-4. one JSON report (device, versions, tests, cost tables, tokens/s per policy and batch size, compile
-           and wall seconds per part) and a short summary on stdout.
+4. one JSON report (device, versions, tests, cost tables, tokens/s per policy and batch size, graph
+           runs and graphs first used while timed, host syncs per step as CUDA's sync debug mode counts
+           them, compile and wall seconds per part) and a short summary on stdout.
 
 Random weights: activations stay O(1) (normal weights with std 1 / sqrt(fan-in), residual branches
 scaled down by sqrt(2 L), unit norms), logits are ~N(0, 1) over 151936 tokens, so the drafter's
@@ -39,6 +40,7 @@ device, bad arguments).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -51,6 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -311,7 +314,8 @@ def bench_records(B: int, spec: str, runs: list[dict], warm: dict) -> dict:
     rec = {"batch_size": B, "policy": spec, **warm,
            "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
            "tokens_per_second_runs": [r["tokens_per_second"] for r in runs],
-           "new_graphs_while_timed": sum(r["new_graphs"] for r in runs)}
+           "new_graphs_while_timed": sum(r["new_graphs"] for r in runs),
+           "graph_runs": [r["graph_runs"] for r in runs], "syncs_per_step": [r["syncs_per_step"] for r in runs]}
     for k in ("tau", "keep_ratio", "rho_histogram", "bucket_histogram", "seconds", "steps", "generated_tokens",
               "drafting_steps"):
         rec[k] = mid[k]
@@ -357,6 +361,24 @@ def bench(target, drafter, table: CostTable, batch_sizes: list[int], s: dict, de
     return records, info
 
 
+@contextlib.contextmanager
+def count_syncs(device):
+    """The host syncs CUDA reports while the block runs (torch.cuda.set_sync_debug_mode("warn"): one
+    warning per synchronizing call), as a list of messages; None on a CPU, which has none to report."""
+    if torch.device(device).type != "cuda":
+        yield None
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        out = []
+        try:
+            yield out
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            out += [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+
+
 def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, errors: dict) -> list[dict]:
     """Every engine at batch size B: a warm pass (compiles and records its graphs), then bench_repeats
     timed passes, the policies taking turns. new_graphs: graph keys used for the first time (a timed pass
@@ -364,10 +386,14 @@ def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, e
     warm, runs = {}, {}
 
     def one_pass(spec):
+        """One generate(): its stats, the graph runs it made and the host syncs CUDA saw per step."""
         engine, drafted = engines[spec], []
-        graphs = len(engine.graphs)
-        _, stats = engine.generate(prompts, s["new_tokens"], on_step=lambda st, rec: drafted.append(rec.drafted))
-        return dict(stats.as_dict(), drafting_steps=sum(drafted), new_graphs=len(engine.graphs) - graphs)
+        graphs, runs = len(engine.graphs), sum(engine.calls.values())
+        with count_syncs(engine.device) as syncs:
+            _, stats = engine.generate(prompts, s["new_tokens"], on_step=lambda st, rec: drafted.append(rec.drafted))
+        return dict(stats.as_dict(), drafting_steps=sum(drafted), new_graphs=len(engine.graphs) - graphs,
+                    graph_runs=sum(engine.calls.values()) - runs,
+                    syncs_per_step=len(syncs) / max(stats.steps, 1) if syncs is not None else None)
 
     for spec in engines:
         t0, c0 = time.perf_counter(), compile_seconds()
@@ -537,8 +563,11 @@ def summary_lines(report: dict) -> list[str]:
         if prof.get("error"):
             lines.append(f"  profile error {prof['error']['type']}: {prof['error']['message'][:160]}")
         for rec in m.get("bench", []):
+            syncs = [x for x in rec.get("syncs_per_step", []) if x is not None]
             lines.append(f"  B={rec['batch_size']:<3} {rec['policy']:<11} {rec['tokens_per_second']:9.1f} tok/s  "
-                         f"x AR {rec['speedup_vs_ar'] or 0:.2f}  drafting {100 * rec['drafting_share']:.0f}% of steps")
+                         f"x AR {rec['speedup_vs_ar'] or 0:.2f}  drafting {100 * rec['drafting_share']:.0f}% of steps"
+                         + (f"  host syncs/step {max(syncs):.2f}" if syncs else "")
+                         + f"  new graphs while timed {rec['new_graphs_while_timed']}")
         info = m.get("bench_info") or {}
         for spec, err in info.get("errors", {}).items():
             lines.append(f"  bench {spec} error {err['type']}: {err['message'][:160]}")

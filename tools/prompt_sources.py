@@ -40,7 +40,7 @@ if __name__ == "__main__":  # run as a script: import from the repo root, not to
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from tools import chat_prompts, decontaminate, handwritten_prompts  # noqa: E402
-from tools.dedup import NearDup  # noqa: E402
+from tools.dedup import NearDup, words  # noqa: E402
 
 DOMAINS = ("chat", "writing", "code", "math", "reasoning")
 # Cues for sources that mix domains, tried in this order (a Python task that mentions a sum is code).
@@ -221,8 +221,8 @@ def handwritten() -> list[dict]:
     """The held-out prompts written in this repository (tools/handwritten_prompts.py, and the hand-written
     prompts of tools/chat_prompts.py: programming exercises are code, the others' domain is guessed)."""
     general = [d for d in DOMAINS if d != "code"]
-    out = [dict(item(p, "code" if i >= PROGRAMMING_FROM else guess_domain(p, general)), source="handwritten-chat-prompts")
-           for i, p in enumerate(chat_prompts.HANDWRITTEN)]
+    out = [dict(item(p, "code" if i >= PROGRAMMING_FROM else guess_domain(p, general)),
+                source="handwritten-chat-prompts") for i, p in enumerate(chat_prompts.HANDWRITTEN)]
     for domain in ("chat", "writing", "reasoning"):
         out += [dict(item(p, domain), source="handwritten") for p in getattr(handwritten_prompts, domain.upper())]
     return out
@@ -272,7 +272,7 @@ def build(mirror: Path | None, raw: Path | None, tests: list[Path], seed: int = 
     per_source["handwritten"] = {"raw": sum(x["source"] == "handwritten" for x in hand)}
     per_source["handwritten-chat-prompts"] = {"raw": len(hand) - per_source["handwritten"]["raw"]}
     test_index = decontaminate.index(tests, 13) if tests else {}
-    dedup = NearDup()
+    dedup, conversations = NearDup(), set()
     out = {"train": [], "heldout": []}
     n_heldout = 0  # texts kept by the dedup filter before the first training prompt
     for split in ("heldout", "train"):  # held-out first: a training prompt that repeats one is dropped
@@ -288,10 +288,15 @@ def build(mirror: Path | None, raw: Path | None, tests: list[Path], seed: int = 
                 if i in bad:
                     c["test_overlap"] = c.get("test_overlap", 0) + 1
                     continue
-                # a follow-up is identified by the first question and itself (not the long reply between)
-                what, j = dedup.add(x["messages"][0]["content"] + "\n" + x["prompt"] if "messages" in x else x["prompt"])
+                if "messages" in x:  # a follow-up: its conversation must be new (no near test: a short
+                    # follow-up to a long question would look like the question alone)
+                    conv = " ".join(words(" ".join(m["content"] for m in x["messages"])))
+                    what, j = ("exact", -1) if conv in conversations else ("kept", -1)
+                    conversations.add(conv)
+                else:
+                    what, j = dedup.add(x["prompt"])
                 if what != "kept":
-                    what = "repeats_heldout" if split == "train" and j < n_heldout else what
+                    what = "repeats_heldout" if split == "train" and 0 <= j < n_heldout else what
                     c[what] = c.get(what, 0) + 1
                     continue
                 kept.append(x)
