@@ -241,6 +241,7 @@ def run(args, console: Console) -> int:
                                                    pack=not args.compile)
     tokenizer = load_tokenizer(args.target)
     prompts, _ = cli.read_prompts(args.prompts, None, tokenizer, args.chat, args.target)
+    runtime.freeze_heap()
     records, tables = [], {}
     for B in batch_sizes:
         recs, tables[str(B)] = bench_batch(B, specs, target, drafter, prompts, args, console)

@@ -171,6 +171,7 @@ def run(args, console: Console) -> int:
                               skip_drafting=not args.no_skip_drafting, log=log)
         engine = make_engine(args, target, drafter, policy, max_seq, status.update)
         compile_seconds = engine.warmup(min(args.batch_size, len(prompts))) if args.compile else 0.0
+        runtime.freeze_heap()
     if not args.quiet:
         console.print(f"ready in {time.perf_counter() - t0:.1f} s: {args.target}"
                       + (f" + {drafter_dir}" if drafter else "") + f" ({dtype}, {device}, "

@@ -1,14 +1,17 @@
-"""Self-distilled training data for a drafter: the target's own greedy text.
+"""Self-distilled training data for a drafter: the target's own text.
 
 At inference the drafter continues the target's text, so that is the text it learns from. Two sources:
 
 corpus   windows of the Python standard library (tools/corpus.py) continued greedily by the target
-chat     prompts from a JSONL file put under the target's chat template and answered greedily by the
-         target until its EOS or --max-new-tokens
+chat     prompts from a JSONL file (or .jsonl.gz) put under the target's chat template and answered by
+         the target until its EOS or --max-new-tokens: greedily, or for a share of them
+         (--sampled-share) sampled at --temperature, so the drafter also sees the target's distribution
+         and not only its argmax path
 
 A data file holds the token sequences (prompt + continuation) and, per sequence, the first position
-a drafter is trained to draft from (`starts`: the first generated token in chat mode). Chat data is
-written in resumable chunks: run the command again and it continues where the file stops.
+a drafter is trained to draft from (`starts`: the first generated token in chat mode), and whether it
+was sampled (`sampled`). Chat data is written in resumable chunks: run the command again and it continues
+where the file stops.
 
     python tools/chat_prompts.py --train /tmp/chat_train.jsonl
     python tools/distill.py --target models/smollm2-135m-instruct --prompts /tmp/chat_train.jsonl \
@@ -41,26 +44,42 @@ def save(data: dict, path: Path) -> None:
     os.replace(tmp, path)  # a crash never leaves half a file
 
 
+def sampled_at(i: int, share: float) -> bool:
+    """Whether prompt i is answered by sampling: every round(1 / share)-th prompt (none at share 0)."""
+    return share > 0 and i % max(1, round(1 / share)) == 0
+
+
 @torch.inference_mode()
 def generate_chat(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int, out: Path,
-                  meta: dict, console: Console) -> dict:
-    """Greedy answers to `prompts` (token ids), appended to the data file `out` chunk by chunk."""
-    data = torch.load(out) if out.is_file() else {"sequences": [], "starts": [], "meta": meta}
-    if data["meta"].get("prompts") != meta.get("prompts"):
-        raise SystemExit(f"error: {out} was made from {data['meta'].get('prompts')}, not {meta.get('prompts')}")
+                  meta: dict, console: Console, temperature: float = 0.0, share: float = 0.0) -> dict:
+    """Answers to `prompts` (token ids), greedy or (sampled_at) sampled at `temperature` with the seed of
+    its chunk, appended to the data file `out` chunk by chunk."""
+    data = torch.load(out) if out.is_file() else {"sequences": [], "starts": [], "sampled": [], "meta": meta}
+    for key in ("prompts", "temperature", "sampled_share"):
+        if data["meta"].get(key, 0.0 if key != "prompts" else None) != meta.get(key):
+            raise SystemExit(f"error: {out} was made with {key} {data['meta'].get(key)}, not {meta.get(key)}")
+    data.setdefault("sampled", [False] * len(data["sequences"]))
     done = len(data["sequences"])
     max_seq = max(map(len, prompts)) + max_new_tokens + 2
-    engine = Engine(target, None, batch_size=batch_size, max_seq=max_seq, compile=False)
     t0 = time.time()
     for i in range(done, len(prompts), CHUNK):
-        chunk = prompts[i:i + CHUNK]
-        outs, stats = engine.generate(chunk, max_new_tokens)
-        data["sequences"] += [p + o for p, o in zip(chunk, outs)]
-        data["starts"] += [len(p) for p in chunk]
+        chunk = list(range(i, min(i + CHUNK, len(prompts))))
+        outs, generated = {}, 0
+        for sampled in (False, True):  # one engine per sampling mode; the seed differs per chunk
+            part = [j for j in chunk if sampled_at(j, share) == sampled]
+            if part:
+                engine = Engine(target, None, batch_size=batch_size, max_seq=max_seq, compile=False,
+                                temperature=temperature if sampled else 0.0, seed=i)
+                answers, stats = engine.generate([prompts[j] for j in part], max_new_tokens)
+                outs.update(zip(part, answers))
+                generated += stats.generated_tokens
+        data["sequences"] += [prompts[j] + outs[j] for j in chunk]
+        data["starts"] += [len(prompts[j]) for j in chunk]
+        data["sampled"] += [sampled_at(j, share) for j in chunk]
         save(data, out)
         n = len(data["sequences"])
         rate = sum(map(len, data["sequences"][done:])) / (time.time() - t0)
-        console.log(f"{n}/{len(prompts)} answered ({stats.generated_tokens} tokens in this chunk, "
+        console.log(f"{n}/{len(prompts)} answered ({generated} tokens in this chunk, "
                     f"{rate:.0f} tokens/s overall)")
     return data
 
@@ -74,9 +93,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers (default: %(default)s)")
+    p.add_argument("--sampled-share", type=float, default=0.0,
+                   help="share of the prompts answered by sampling instead of greedily (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True, help="data file (.pt); an existing one is continued")
     args = p.parse_args(argv)
+    if not 0 <= args.sampled_share <= 1 or args.temperature <= 0:
+        raise SystemExit("error: --sampled-share must be in [0, 1] and --temperature > 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console()
@@ -87,9 +111,12 @@ def main(argv=None) -> int:
     target = load_target(args.target)
     if target.model.embed_tokens.weight.device.type == "cpu":
         target.pack()  # eager decoding: linear layers packed for oneDNN (layers.PackedLinear), ~2x faster here
+    share = args.sampled_share
     meta = {"target": str(args.target), "prompts": str(args.prompts), "chat": args.chat,
-            "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
-    data = generate_chat(target, ids, args.max_new_tokens, args.batch_size, Path(args.out), meta, console)
+            "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+            "temperature": args.temperature if share else 0.0, "sampled_share": share}
+    data = generate_chat(target, ids, args.max_new_tokens, args.batch_size, Path(args.out), meta, console,
+                         args.temperature, share)
     lens = [len(s) - st for s, st in zip(data["sequences"], data["starts"])]
     console.log(f"{args.out}: {len(lens)} sequences, {sum(lens)} generated tokens (mean {sum(lens) / len(lens):.0f})")
     return 0

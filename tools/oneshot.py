@@ -1,11 +1,12 @@
 """Measure `python -m minidcut.generate` as users run it: one process per run, from a cold start.
 
 For each batch size B: the first n prompts of a prompt file (n = 2B, at least 8), and a cost-table file
-of its own that starts empty (as in a fresh checkout). Then ar, dcut, ar, dcut, ... (--runs pairs), each
-a new process. dcut's first run measures the cost rows it reaches and learns from nothing; the later
+of its own that starts empty (as in a fresh checkout). Then ar, dcut, dcut, ar, ar, dcut, ... (--runs
+pairs, the order alternating so a machine that drifts during the sequence favours neither), each a new
+process. dcut's first run measures the cost rows it reaches and learns from nothing; the later
 ones start from what the earlier ones saved. Reported per B: AR tok/s (median of its runs), dcut's first
-run and the median of its later runs against it, the median of the paired ratios (each dcut run over
-the AR run just before it: drifts of a shared machine cancel), and every run's wall time (process start
+run and the median of its later runs against it, the median of the paired ratios (each later dcut run
+over the AR run of its pair), and every run's wall time (process start
 to exit) and the seconds the first run spent measuring its cost rows. Writes JSON.
 
     python tools/oneshot.py --batch-sizes 1,4,16,32,64 --output docs/bench/oneshot_demo.json
@@ -81,8 +82,8 @@ def run(args, console: Console) -> int:
             prompts = work / "prompts.jsonl"
             prompts.write_text("\n".join((lines * (n // len(lines) + 1))[:n]) + "\n")
             runs = []
-            for i in range(args.runs):
-                for policy in ("ar", "dcut"):
+            for i in range(args.runs):  # ar, dcut, then dcut, ar, ...: a steady drift hits both alike
+                for policy in ("ar", "dcut") if i % 2 == 0 else ("dcut", "ar"):
                     runs.append(one_run(args, policy, prompts, work / "table.json", B, work))
                     console.log(f"B={B} {policy} run {i + 1}: {runs[-1]['tokens_per_second']:.1f} tok/s, "
                                 f"{runs[-1]['wall_seconds']:.1f} s")
