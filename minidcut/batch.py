@@ -51,6 +51,8 @@ class Batch:
     anchor_pos: torch.Tensor  # [rows]
     request_ids: torch.Tensor  # [rows] the sampling key of each row's request
     synced: list[int]  # per row: positions below this have the drafter's context K/V
+    version: int = 0  # bumped whenever a row changes hands (placed, freed, moved)
+    ahead: tuple | None = None  # (version, bucket, Draft): the next step's draft, made by this step
 
     @classmethod
     def empty(cls, rows: int, device) -> "Batch":
@@ -70,6 +72,18 @@ class Batch:
         self.request_ids[idx] = torch.tensor([r.index for r in requests], device=dev)
         for row, r in zip(rows, requests):
             self.requests[row], self.synced[row] = r, len(r.prompt)
+        self.version += 1
+
+    def free(self, row: int) -> None:
+        """The row's request finished."""
+        self.requests[row] = None
+        self.version += 1
+
+    def take_ahead(self, bucket: int):
+        """The draft the previous step made for this one, if no row changed hands since and the bucket
+        is the same (else None); it is used once."""
+        ahead, self.ahead = self.ahead, None
+        return ahead[2] if ahead is not None and ahead[:2] == (self.version, bucket) else None
 
     def limits(self, b: int) -> list[int]:
         """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
@@ -92,6 +106,7 @@ class Batch:
             t[d] = t[s]
         for i, j in zip(src, dst):
             self.requests[j], self.requests[i], self.synced[j] = self.requests[i], None, self.synced[i]
+        self.version += 1
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -49,8 +49,8 @@ def parse_args(argv=None):
                    help="tokens generated per prompt, EOS ignored (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2,
                    help="timed passes per policy, interleaved; the median is kept (default: %(default)s)")
-    p.add_argument("--cost-table", default=None, help="default: this pair's table under compile_cache/ "
-                   "(batch sizes it lacks are measured first)")
+    p.add_argument("--cost-table", default=None, help="default: the table of each batch size's fingerprint "
+                   "under compile_cache/cost_tables/ (rows it lacks are measured in the warm-up pass)")
     cli.add_runtime_args(p)
     p.add_argument("--output", default=None, help="JSON with every figure")
     p.add_argument("--plot", default=None, help="PNG: speedup over AR vs batch size (needs matplotlib)")

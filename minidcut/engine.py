@@ -9,16 +9,20 @@ plan      the policy says whether this step drafts and with which costs (policy.
           (profiler.measure_live; outputs untouched)
 catch up  after steps that skipped drafting, write the drafter's missing context K/V
 draft     draft graph (one per bucket): drafter block -> confidences -> dcut.select (prefix scores,
-          keep_len and gain of every rho) -> rho* = Policy.choose. rho*.item() picks the verify graph
+          keep_len and gain of every rho) -> rho* = Policy.choose; rho* and its gain come to the host
+          in one copy and pick the verify graph
 verify    verify graph (one per (bucket, K(rho*))): pack anchor + kept prefix of every row into
           T = b + K tokens -> target forward -> the target's (keyed) choice at every position ->
           accept -> commit [b, block] and the drafter's context for the committed tokens
 commit    hand each request its committed tokens, stop finished requests
 feedback  one StepRecord to the policy (calibration, skip drafting)
 
-Host <-> device per step: the draft graph's inputs (limits, live count, gain scale, costs) go over in
-one copy from a staging buffer; the rho index comes back (drafting steps), then the step's tokens in
-one copy. `ar` runs the verify graph with K = 0 (one token per row) and never drafts.
+Host <-> device per step, in the steady state: one copy to the host and none to the device. A step
+that drafted drafts the next step's block right after its verification (the same inputs, each row's
+limit less what it committed, on the device), so the next step's pick (rho index and its gain) crosses
+with this step's tokens; the next step uses that draft unless a row changed hands or the bucket changed.
+A fresh draft sends its inputs (limits, live count, gain scale, costs) in one copy from a staging buffer
+and syncs once on its pick. `ar` runs the verify graph with K = 0 (one token per row) and never drafts.
 docs/walkthrough.md follows one step through this file.
 """
 
@@ -50,6 +54,7 @@ class Draft:
     gain: torch.Tensor  # [n_rho] expected accepted drafts (uncalibrated)
     log_s: torch.Tensor  # [b, D] log prefix scores
     rho_index: int
+    predicted: float  # gain[rho_index], on the host
 
 
 class Engine:
@@ -124,7 +129,10 @@ class Engine:
         drafting = plan is not None and plan.draft
         catchup = self.catch_up(batch) if drafting else 0.0
         t0 = time.perf_counter()
-        draft = self.draft(batch.anchor[:b], batch.anchor_pos[:b], batch.limits(b), len(rows), plan) if drafting else None
+        draft = None
+        if drafting:  # made by the previous step when nothing changed since, else now
+            draft = batch.take_ahead(b) or self.draft(batch.anchor[:b], batch.anchor_pos[:b], batch.limits(b),
+                                                      len(rows), plan)
         K = self.budgets(b)[draft.rho_index] if drafting else 0
         t1 = time.perf_counter()
         commit, n_commit, kept = self.verify(batch, b, draft, K)
@@ -132,7 +140,7 @@ class Engine:
         self.commit(batch, commit, n_commit, draft, stats, on_finish)
         rec = StepRecord(bucket=b, n_live=len(rows), drafted=drafting,
                          rho=self.policy.rhos[draft.rho_index] if K else 0.0,
-                         predicted=float(draft.gain[draft.rho_index]) if drafting else 0.0,
+                         predicted=draft.predicted if drafting else 0.0,
                          accepted=int(n_commit[rows].sum()) - len(rows), seconds=time.perf_counter() - t0,
                          catchup=catchup)
         stats.seconds.update(draft=t1 - t0 + catchup, verify=t2 - t1, bookkeeping=time.perf_counter() - t2)
@@ -173,16 +181,21 @@ class Engine:
         n = b + 2 + len(plan.cost)
         host = self.staging.numpy()
         host[:b], host[b], host[b + 1], host[b + 2 : n] = limit, n_live, plan.gain_scale, plan.cost
-        inputs = self.staged[:n]
-        inputs.copy_(self.staging[:n], non_blocking=True)
-        out = self.graph("draft", b)(anchor, anchor_pos, inputs)
-        rho_index = int(out[4].item())  # the host sync of a drafting step
-        # Copies: a CUDA graph's outputs are overwritten when the next graph (verify) replays.
-        return Draft(*(t.clone() for t in out[:4]), rho_index=rho_index)
+        self.staged[:n].copy_(self.staging[:n], non_blocking=True)
+        out = self.graph("draft", b)(anchor, anchor_pos, self.staged[:n])
+        return self.drafted(out, out[4].cpu())  # [rho index, its gain]: the host sync of this draft
+
+    @staticmethod
+    def drafted(out, pick: torch.Tensor) -> Draft:
+        """A Draft from the draft graph's outputs and its pick on the host. Copies: a CUDA graph's
+        outputs are overwritten when it replays."""
+        return Draft(*(t.clone() for t in out[:4]), rho_index=int(pick[0]), predicted=float(pick[1]))
 
     def verify(self, batch: Batch, b: int, draft: Draft | None, K: int):
         """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft) and
-        move the rows' anchors on. Returns, on the host: commit [b, block], n_commit [b], kept [b]."""
+        move the rows' anchors on. A step that drafted then drafts the next step's block already
+        (batch.ahead), so that its pick crosses to the host with this step's tokens, in one copy.
+        Returns, on the host: commit [b, block], n_commit [b], kept [b]."""
         keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
         # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
         # a step that did not only stores the features (see catch_up).
@@ -191,7 +204,16 @@ class Engine:
                                                   draft.drafts if draft else None, keep_len)
         batch.anchor[:b], batch.anchor_pos[:b] = anchor, anchor_pos
         kept = keep_len if K else torch.zeros_like(n_commit)
-        host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1).cpu()  # [b, block + 2]
+        host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1)  # [b, block + 2]
+        if draft is not None:  # the next draft: the same inputs, each row's limit less what it commits
+            inputs = self.staged[: b + 2 + len(self.policy.rhos)]
+            inputs[:b] = (inputs[:b] - n_commit).clamp(min=0)  # in place: the inputs of the latest draft
+            out = self.graph("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs)
+            host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
+        host = host.cpu()  # the step's one copy to the host
+        if draft is not None:
+            batch.ahead = (batch.version, b, self.drafted(out, host[-2:]))
+            host = host[:-2].long().view(b, -1)
         return host[:, :-2], host[:, -2], host[:, -1]
 
     def commit(self, batch: Batch, commit, n_commit, draft: Draft | None, stats: Stats, on_finish) -> None:
@@ -211,7 +233,7 @@ class Engine:
         r.output += tokens[:n]
         stats.generated_tokens += n
         if r.output[-1] in self.eos or len(r.output) == r.max_new_tokens:
-            batch.requests[row] = None
+            batch.free(row)
             stats.finished += 1
             if on_finish is not None:
                 on_finish(r.index, r.output)
@@ -267,7 +289,7 @@ class Engine:
         """Draft one block per row and run the D-cut selector for every rho of the grid.
         anchor, anchor_pos [b]; inputs [b + 2 + n_rho]: limit [b], n_live, gain_scale, cost [n_rho]
         -> drafts [b, D], keep_len [n_rho, b], expected accepted drafts [n_rho], log prefix scores
-        [b, D], rho index []."""
+        [b, D], [rho index, its expected accepted drafts] [2]."""
         b = anchor.shape[0]
         limit, n_live, gain_scale, cost = inputs[:b].long(), inputs[b], inputs[b + 1], inputs[b + 2 :]
         logits = self.drafter(self.target, anchor, anchor_pos)  # [b, D, V]
@@ -275,7 +297,9 @@ class Engine:
         conf, idx = torch.softmax(logits.float(), dim=-1).max(dim=-1)
         sel = select(conf, limit, self.budgets(b))
         rho = self.policy.choose(sel.gains, n_live, gain_scale, cost)
-        return self.drafter.tokens(idx), sel.keep_lens, sel.gains, sel.log_s, rho
+        rho = rho.view(1)
+        pick = torch.cat([rho.to(sel.gains.dtype), sel.gains.gather(0, rho)])  # [2]: one copy to the host
+        return self.drafter.tokens(idx), sel.keep_lens, sel.gains, sel.log_s, pick
 
     def _verify(self, anchor, anchor_pos, request_ids, drafts, keep_len, K: int, kv: bool = True):
         """Pack, verify, accept (docs/method.md, "Verification"). anchor, anchor_pos, request_ids [b];

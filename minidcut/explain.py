@@ -24,8 +24,8 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
     if costs is None:
         return lines
     ar = costs[0] if policy.rhos[0] == 0.0 else None
-    parts = [f"rho {r:g}: {b} x {budget(r, b, policy.depth) / b:g} drafts, {c / ar:.1f} AR steps"
-             for r, c in zip(policy.rhos, costs) if r > 0 and not math.isinf(c)]
+    parts = [f"rho {r:g}: {budget(r, b, policy.depth)} drafts ({budget(r, b, policy.depth) / b:g} per request), "
+             f"{c / ar:.1f} AR steps" for r, c in zip(policy.rhos, costs) if r > 0 and not math.isinf(c)] if ar else []
     if ar is not None and parts:
         steps = sum(policy.table.samples[policy.table.batch_sizes.index(b)])
         lines.append(f"cost table at bucket {b} ({steps} steps behind it): an AR step {1e3 * ar:.1f} ms; a drafting "

@@ -50,8 +50,9 @@ def parse_args(argv=None):
                    help="dcut: no online calibration (raw drafter confidences, the cost table as profiled)")
     p.add_argument("--no-skip-drafting", action="store_true", help="dcut: always draft")
     p.add_argument("--cost-table", default=None,
-                   help="cost table JSON (default: this device/target/drafter/dtype's table under "
-                        "compile_cache/cost_tables/); batch sizes it lacks are measured and saved there")
+                   help="cost table JSON (default: the table of this run's fingerprint under "
+                        "compile_cache/cost_tables/): rows it lacks are measured when the run reaches their "
+                        "bucket, and it is saved at the end with what dcut learned, for the next run")
     p.add_argument("--batch-size", type=int, default=4,
                    help="max concurrent requests B; each step runs at the smallest power-of-two bucket "
                         "(or B) that holds the live requests (default: %(default)s)")

@@ -9,6 +9,7 @@ Runs main(argv) in-process (fast); one test runs the module as a user does, in a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -379,3 +380,14 @@ def test_prompts_files_may_be_gzipped_and_a_messages_line_keeps_its_conversation
     (tmp_path / "bad.gz").write_bytes(b"not gzip")
     with pytest.raises(cli_mod.UserError, match="not a gzip file"):
         cli_mod.read_prompts(str(tmp_path / "bad.gz"), None, tok)
+
+
+def test_a_dcut_run_says_what_it_did_and_why_and_compares_with_ar_on_request(models, capsys, tmp_path):
+    code, out, err = cli(capsys, "--target", models["target"], "--drafter", models["drafter"], "--no-compile",
+                         "--threads", "1", "--prompt", "def add", "--prompt", "class", "--max-new-tokens", "24",
+                         "--batch-size", "2", "--cost-table", tmp_path / "t.json", "--compare-ar")
+    assert code == 0, err
+    text = " ".join((out + err).split())  # rich wraps long lines
+    assert "rho per step: " in text and "cost table at bucket 2 (" in text and "AR steps" in text
+    assert "measured missing cost-table rows in " in text and str(tmp_path / "t.json") in text
+    assert re.search(r"AR in this process: [\d.]+ tok/s, the same tokens; dcut is [\d.]+x AR", text)
