@@ -31,7 +31,8 @@ class Calibration:
         accepted = {k: float(state["accepted"][k]) for k in ("predicted", "realized")}
         if not 0 < gain_scale < float("inf"):
             raise ValueError("calibration state out of range")
-        self.gain_scale, self._accepted = gain_scale, accepted
+        if self.enabled:  # switched off: raw confidences, whatever was learned before
+            self.gain_scale, self._accepted = gain_scale, accepted
 
     def observe(self, rec) -> None:
         """Learn from one StepRecord: a drafting step that kept drafts compares them with what it accepted."""

@@ -59,6 +59,7 @@ class CostTable:
             raise CostTableError("cost table batch_sizes and rhos must be increasing")
         if self.samples is None or np.shape(self.samples) != s.shape:
             self.samples = [[1] * len(self.rhos) for _ in self.batch_sizes]
+        self.samples = [[max(1, int(n)) for n in row] for row in self.samples]
 
     def row(self, B: int, rhos) -> list[float] | None:
         """Seconds per step at bucket B for each of rhos (inf where a row was cut short), None

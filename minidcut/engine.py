@@ -129,10 +129,10 @@ class Engine:
         drafting = plan is not None and plan.draft
         catchup = self.catch_up(batch) if drafting else 0.0
         t0 = time.perf_counter()
-        draft = None
-        if drafting:  # made by the previous step when nothing changed since, else now
-            draft = batch.take_ahead(b) or self.draft(batch.anchor[:b], batch.anchor_pos[:b], batch.limits(b),
-                                                      len(rows), plan)
+        draft = batch.take_ahead(b)  # made by the previous step if nothing changed since; dropped if unused
+        if drafting and draft is None:
+            draft = self.draft(batch.anchor[:b], batch.anchor_pos[:b], batch.limits(b), len(rows), plan)
+        draft = draft if drafting else None
         K = self.budgets(b)[draft.rho_index] if drafting else 0
         t1 = time.perf_counter()
         commit, n_commit, kept = self.verify(batch, b, draft, K)

@@ -162,7 +162,7 @@ class Policy:
                 skip = self.skip(int(b))
                 if skip is not None:
                     skip.load_state(s)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             self.reset()
             raise ValueError(f"not a saved policy state ({type(e).__name__}: {e})") from None
 

@@ -68,7 +68,9 @@ class SkipDrafting:
         self.state = saved["state"] if self.possible else "off"
         self.margin, self.catchup = float(saved["margin"]), float(saved["catchup"])
         self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
-        self.accepted = [float(x) for x in saved["accepted"]][:2]
+        self.accepted = [float(x) for x in saved["accepted"]]
+        if len(self.accepted) != 2:
+            raise ValueError("skip state: accepted must be [drafts, rows]")
         self.period = self.probe_period()
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:

@@ -61,3 +61,32 @@ def test_a_steady_step_copies_once_to_the_host_and_never_to_the_device(tmp_path,
     assert all(d for d, _ in steady) == (forced > 0)
     if forced:  # the first step drafted afresh: its inputs over in one copy, its pick back in one more
         assert per_step[0][1].get("h2d") == 1 and per_step[0][1].get("cpu", 0) >= 2
+
+
+def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
+    """The next step's draft is made by a drafting step; when the next step runs AR instead, that draft
+    belongs to positions that have moved on and must never be used later."""
+    import dataclasses
+
+    class Alternating(Policy):  # static 0.5, drafting every other step
+        def __init__(self):
+            super().__init__("static", [0.5])
+            self.n = 0
+
+        def plan(self, bucket):
+            self.n += 1
+            return dataclasses.replace(super().plan(bucket), draft=self.n % 2 == 1)
+
+    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
+    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
+    target = load_target(tmp_path / "target")
+    drafter = load_drafter(tmp_path / "drafter", target)
+    engine = Engine(target, drafter, Alternating(), batch_size=2, max_seq=96, eos_ids=[], compile=False)
+    fresh = []
+    real_draft = engine.draft
+    engine.draft = lambda *a, **k: (fresh.append(1), real_draft(*a, **k))[1]
+    prompts = [[3, 5, 7], [4, 6, 8, 10]]
+    out, stats = engine.generate(prompts, 20)
+    ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=96, eos_ids=[], compile=False).generate(prompts, 20)
+    assert out == ar
+    assert len(fresh) == sum(stats.drafting_hist.values())  # every drafting step drafted afresh
