@@ -63,13 +63,9 @@ class Batch:
     def live(self) -> list[int]:
         return [i for i, r in enumerate(self.requests) if r is not None]
 
-    def place(self, rows: list[int], requests: list[Request], first: list[int]) -> None:
-        """Requests enter rows after their prefill (which wrote the drafter's context of the prompt):
-        the first token is the anchor, right after the prompt."""
-        idx, dev = torch.tensor(rows, device=self.anchor.device), self.anchor.device
-        self.anchor[idx] = torch.tensor(first, device=dev)
-        self.anchor_pos[idx] = torch.tensor([len(r.prompt) for r in requests], device=dev)
-        self.request_ids[idx] = torch.tensor([r.index for r in requests], device=dev)
+    def place(self, rows: list[int], requests: list[Request]) -> None:
+        """Requests enter rows after their prefill, which wrote the drafter's context of the prompt and
+        the rows' device state (the first token as the anchor, right after the prompt)."""
         for row, r in zip(rows, requests):
             self.requests[row], self.synced[row] = r, len(r.prompt)
         self.version += 1
@@ -89,21 +85,19 @@ class Batch:
         """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
         return [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in self.requests[:b]]
 
-    def unsynced(self) -> tuple[list[int], list[int]]:
-        """(rows, positions) of committed tokens without the drafter's context K/V, now marked synced."""
+    def unsynced(self) -> list[int]:
+        """[rows + positions] of committed tokens without the drafter's context K/V, now marked synced
+        (empty if none)."""
         rows, pos = [], []
         for i in self.live:
             end = self.requests[i].anchor_pos
             rows += [i] * (end - self.synced[i])
             pos += range(self.synced[i], end)
             self.synced[i] = end
-        return rows, pos
+        return rows + pos
 
     def move(self, src: list[int], dst: list[int]) -> None:
-        """Requests of rows src move to rows dst (the caller copies the cache rows)."""
-        s, d = torch.tensor(src, device=self.anchor.device), torch.tensor(dst, device=self.anchor.device)
-        for t in (self.anchor, self.anchor_pos, self.request_ids):
-            t[d] = t[s]
+        """Requests of rows src move to rows dst, on the host (the engine copies their device state)."""
         for i, j in zip(src, dst):
             self.requests[j], self.requests[i], self.synced[j] = self.requests[i], None, self.synced[i]
         self.version += 1

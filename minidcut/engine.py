@@ -17,18 +17,21 @@ verify    verify graph (one per (bucket, K(rho*))): pack anchor + kept prefix of
 commit    hand each request its committed tokens, stop finished requests
 feedback  one StepRecord to the policy (calibration, skip drafting)
 
-Host <-> device per step, in the steady state: one copy to the host and none to the device. A step
-that drafted drafts the next step's block right after its verification (the same inputs, each row's
-limit less what it committed, on the device), so the next step's pick (rho index and its gain) crosses
-with this step's tokens; the next step uses that draft unless a row changed hands or the bucket changed.
-A fresh draft sends its inputs (limits, live count, gain scale, costs) in one copy from a staging buffer
-and syncs once on its pick. `ar` runs the verify graph with K = 0 (one token per row) and never drafts.
+Host <-> device per step: at most one copy to the device, and one to the host in the steady state. A
+step that drafted drafts the next step's block right after its verification (the same inputs, each
+row's limit less what it committed, on the device), so the next step's pick (rho index and its gain)
+crosses with this step's tokens; the next step uses that draft unless a row changed hands or the bucket
+changed. A step that needs host inputs (a fresh draft's limits and costs, the rows a compaction moves,
+the positions a catch-up writes) sends them all in one copy (staging.py); a fresh draft then syncs once
+more, on its pick. An admission's prefill is one copy each way of its own. `ar` runs the verify graph
+with K = 0 (one token per row) and never drafts.
 docs/walkthrough.md follows one step through this file.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -42,6 +45,7 @@ from .layers import is_packed
 from .model import Transformer, causal_layout, prefill_layout
 from .policy import Policy, StepPlan, StepRecord
 from .sampling import accept, sample, sample_keys
+from .staging import Staging
 from .stats import Stats
 
 
@@ -82,11 +86,9 @@ class Engine:
         target.setup_cache(batch_size, max_seq)
         if self.drafter is not None:
             self.drafter.setup_cache(batch_size, max_seq)
-        # The draft graph's inputs, written on the host and sent in one copy (pinned on CUDA):
-        # limit [b], n_live, gain_scale, cost [n_rho].
-        n_inputs = batch_size + 2 + len(self.policy.rhos)
-        self.staging = torch.zeros(n_inputs, pin_memory=self.device.type == "cuda")
-        self.staged = torch.zeros(n_inputs, device=self.device)
+        # Host inputs go over in one copy per step; the draft graph's (limit [b], n_live, gain_scale,
+        # cost [n_rho]) have a fixed place at the front.
+        self.staging = Staging(batch_size + 2 + len(self.policy.rhos), self.device)
         self.compile, self.on_compile = compile, on_compile  # on_compile(message) before a graph compiles
         self.on_measure = None  # on_measure(bucket, rho) while a missing cost row is measured
         self.graphs: dict[tuple, callable] = {}
@@ -121,18 +123,36 @@ class Engine:
         self.admit(batch, pending, stats, on_finish)
         if not batch.live:
             return None
-        b = self.bucket(batch, compact=not pending)
+        moved = self.compact(batch) if not pending else []  # [src rows + dst rows], on the host so far
+        b = self.bucket_for(batch.live[-1] + 1)
         rows = batch.live
         if self.drafter is not None and self.policy.needs_row(b):
+            if moved:  # first: the measured steps run on the rows in place
+                self.staging.put(moved)
+                self.move_rows(batch, *self.staging.send())
+                moved = []
             stats.seconds["profile"] += profiler.measure_row(self, batch, b)
         plan = self.policy.plan(b) if self.drafter is not None else None
         drafting = plan is not None and plan.draft
-        catchup = self.catch_up(batch) if drafting else 0.0
-        t0 = time.perf_counter()
-        draft = batch.take_ahead(b)  # made by the previous step if nothing changed since; dropped if unused
-        if drafting and draft is None:
-            draft = self.draft(batch.anchor[:b], batch.anchor_pos[:b], batch.limits(b), len(rows), plan)
+        draft = batch.take_ahead(b)  # the previous step's, if nothing changed since; dropped if unused
         draft = draft if drafting else None
+        # The step's host inputs go over in one copy: a fresh draft's inputs, the rows to move, the
+        # positions whose drafter context was skipped (they need catching up before a draft).
+        unsynced = batch.unsynced() if drafting else []
+        fresh = drafting and draft is None
+        if fresh:
+            self.stage_draft(batch.limits(b), len(rows), plan)
+        for part in (moved, unsynced):
+            if part:
+                self.staging.put(part)
+        sent = collections.deque(self.staging.send())
+        inputs = sent.popleft() if fresh else None
+        if moved:
+            self.move_rows(batch, sent.popleft())
+        catchup = self.write_context(sent.popleft()) if unsynced else 0.0
+        t0 = time.perf_counter()
+        if fresh:
+            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs)
         K = self.budgets(b)[draft.rho_index] if drafting else 0
         t1 = time.perf_counter()
         commit, n_commit, kept = self.verify(batch, b, draft, K)
@@ -156,20 +176,24 @@ class Engine:
         if free:
             t0 = time.perf_counter()
             new = [pending.popleft() for _ in free]
-            first = self.prefill(free, new).tolist()
-            batch.place(free, new, first)
+            first = self.prefill(free, new, batch).tolist()
             for row, tok in zip(free, first):
                 self.emit(batch, row, [tok], stats, on_finish)
             stats.seconds["prefill"] += time.perf_counter() - t0
 
     def catch_up(self, batch: Batch) -> float:
         """Before drafting after skipped steps: write the drafter's context K/V of the positions
-        committed meanwhile, from the stored features. Returns its seconds (0 when nothing was missing)."""
-        t0 = time.perf_counter()
-        rows, pos = batch.unsynced()
-        if not pos:
+        committed meanwhile, from the stored features (one copy of their places). Returns its seconds."""
+        unsynced = batch.unsynced()
+        if not unsynced:
             return 0.0
-        self.drafter.sync_context(torch.tensor(rows, device=self.device), torch.tensor(pos, device=self.device))
+        self.staging.put(unsynced)
+        return self.write_context(self.staging.send()[0])
+
+    def write_context(self, sent: torch.Tensor) -> float:
+        """catch_up's work: sent [rows + positions] (Batch.unsynced) on the device. Returns its seconds."""
+        t0 = time.perf_counter()
+        self.drafter.sync_context(*sent.long().chunk(2))
         return time.perf_counter() - t0
 
     def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, limit: list[int], n_live: int,
@@ -177,12 +201,16 @@ class Engine:
         """Run the draft graph of bucket b = len(anchor): anchor, anchor_pos [b]; limit: drafts each row
         can still use (0 for an empty row). Its other inputs go over in one copy; syncs once: rho*
         picks the verify graph."""
-        b = anchor.shape[0]
-        n = b + 2 + len(plan.cost)
-        host = self.staging.numpy()
-        host[:b], host[b], host[b + 1], host[b + 2 : n] = limit, n_live, plan.gain_scale, plan.cost
-        self.staged[:n].copy_(self.staging[:n], non_blocking=True)
-        out = self.graph("draft", b)(anchor, anchor_pos, self.staged[:n])
+        self.stage_draft(limit, n_live, plan)
+        return self.run_draft(anchor, anchor_pos, self.staging.send()[0])
+
+    def stage_draft(self, limit: list[int], n_live: int, plan: StepPlan) -> None:
+        """Stage the draft graph's inputs: limit [b], n_live, gain_scale, cost [n_rho]."""
+        self.staging.put(limit + [n_live, plan.gain_scale] + list(plan.cost), fixed=True)
+
+    def run_draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, inputs: torch.Tensor) -> Draft:
+        """draft() with its inputs [b + 2 + n_rho] already on the device."""
+        out = self.graph("draft", anchor.shape[0])(anchor, anchor_pos, inputs)
         return self.drafted(out, out[4].cpu())  # [rho index, its gain]: the host sync of this draft
 
     @staticmethod
@@ -206,7 +234,7 @@ class Engine:
         kept = keep_len if K else torch.zeros_like(n_commit)
         host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1)  # [b, block + 2]
         if draft is not None:  # the next draft: the same inputs, each row's limit less what it commits
-            inputs = self.staged[: b + 2 + len(self.policy.rhos)]
+            inputs = self.staging.fixed_inputs(b + 2 + len(self.policy.rhos))
             inputs[:b] = (inputs[:b] - n_commit).clamp(min=0)  # in place: the inputs of the latest draft
             out = self.graph("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs)
             host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
@@ -243,27 +271,30 @@ class Engine:
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def bucket(self, batch: Batch, compact: bool) -> int:
-        """The batch bucket of this step. With nothing waiting, live rows past the smallest bucket that
-        holds them move into free rows below it (their cache rows are copied), so the tail of a batch
-        runs at a smaller bucket."""
+    def compact(self, batch: Batch) -> list[int]:
+        """With nothing waiting: live rows past the smallest bucket that holds them move into free rows
+        below it, so the tail of a batch runs at a smaller bucket. Moves the requests on the host and
+        returns [src rows + dst rows] for move_rows (empty: nothing moves)."""
         live = batch.live
         b = self.bucket_for(len(live))
-        if compact and live[-1] >= b:
-            src = [i for i in live if i >= b]
-            dst = [i for i in range(b) if batch.requests[i] is None][: len(src)]
-            self.move_rows(batch, src, dst)
-        return self.bucket_for(batch.live[-1] + 1)
+        if live[-1] < b:
+            return []
+        src = [i for i in live if i >= b]
+        dst = [i for i in range(b) if batch.requests[i] is None][: len(src)]
+        batch.move(src, dst)
+        return src + dst
 
-    def move_rows(self, batch: Batch, src: list[int], dst: list[int]) -> None:
-        """Move requests, with their target and drafter cache rows, from rows src to rows dst."""
-        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+    def move_rows(self, batch: Batch, sent: torch.Tensor) -> None:
+        """Copy the device state of moved rows: sent [src rows + dst rows] (compact) on the device. The
+        rows' anchors and target and drafter cache rows (K/V and stored features) go from src to dst."""
+        s, d = sent.long().chunk(2)
         caches = list(self.target.caches) + (list(self.drafter.caches) if self.drafter is not None else [])
         for c in caches:
             c.k[d], c.v[d] = c.k[s], c.v[s]
         if self.drafter is not None:
             self.drafter.feats[d] = self.drafter.feats[s]
-        batch.move(src, dst)
+        for t in (batch.anchor, batch.anchor_pos, batch.request_ids):
+            t[d] = t[s]
 
     # ---- compiled graphs -----------------------------------------------------------------------
 
@@ -348,17 +379,25 @@ class Engine:
         return commit, accepted + 1, bonus[:, 0], new_pos
 
     @torch.inference_mode()
-    def prefill(self, rows: list[int], requests: list[Request]) -> torch.Tensor:
+    def prefill(self, rows: list[int], requests: list[Request], batch: Batch | None = None) -> torch.Tensor:
         """Run the prompts of `requests` into cache `rows` (eager, one padded batch), with the drafter's
-        context for them; returns the first generated token of each [n]."""
-        layout, last = prefill_layout(rows, [len(r.prompt) for r in requests], self.device)
-        tokens = torch.tensor([t for r in requests for t in r.prompt], device=self.device)
+        context for them; returns the first generated token of each [n]. Its host inputs go over in
+        one copy. With a batch: the requests take the rows there, each first token as its anchor."""
+        lengths = [len(r.prompt) for r in requests]
+        layout, last = prefill_layout(rows, lengths)
+        for part in (layout.row, layout.pos, layout.slot, last, [t for r in requests for t in r.prompt],
+                     rows, lengths, [r.index for r in requests]):
+            self.staging.put(part)
+        row, pos, slot, last, tokens, idx, lengths, ids = (t.long() for t in self.staging.send())
+        layout = dataclasses.replace(layout, row=row, pos=pos, slot=slot)
         logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.taps)
         if self.drafter is not None:
             self.drafter.add_context(taps, layout.row, layout.pos)
-        ids = torch.tensor([r.index for r in requests], device=self.device)
-        pos = torch.tensor([len(r.prompt) for r in requests], device=self.device)
-        return sample(logits, self.temperature, self.top_p, sample_keys(self.seed, ids, pos))
+        first = sample(logits, self.temperature, self.top_p, sample_keys(self.seed, ids, lengths))
+        if batch is not None:
+            batch.anchor[idx], batch.anchor_pos[idx], batch.request_ids[idx] = first, lengths, ids
+            batch.place(rows, requests)
+        return first
 
     def reachable(self, max_batch: int | None = None) -> list[tuple]:
         """Keys (kind, b, K, kv) of every graph this engine's policy can reach at buckets <= max_batch

@@ -61,16 +61,17 @@ def windowed(layout: Layout, window: int) -> Layout:
     return Layout(layout.row, layout.pos, layout.slot, n, Q, layout.mask & near.view(n, 1, Q, S))
 
 
-def prefill_layout(rows: list[int], lengths: list[int], device) -> tuple[Layout, torch.Tensor]:
+def prefill_layout(rows: list[int], lengths: list[int], device=None) -> tuple[Layout, torch.Tensor]:
     """Layout for prompts of `lengths` entering cache `rows`; returns it and the index of each
-    prompt's last token in the packed order [n]."""
+    prompt's last token in the packed order [n]. device None: on the host (the engine sends it)."""
     Q, n = max(lengths), len(lengths)
     row = torch.cat([torch.full((L,), r, dtype=torch.long) for r, L in zip(rows, lengths)])
     pos = torch.cat([torch.arange(L) for L in lengths])
     slot = torch.cat([i * Q + torch.arange(L) for i, L in enumerate(lengths)])
     last = torch.tensor(lengths).cumsum(0) - 1
-    layout = Layout(row.to(device), pos.to(device), slot.to(device), n, Q, None, prefill=True)
-    return layout, last.to(device)
+    if device is not None:
+        row, pos, slot, last = (t.to(device) for t in (row, pos, slot, last))
+    return Layout(row, pos, slot, n, Q, None, prefill=True), last
 
 
 class KVCache(nn.Module):

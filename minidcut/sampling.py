@@ -52,10 +52,27 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, keys: torch.T
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # [N, V]
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # the top token is always kept
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+        probs = probs * (probs >= nucleus_floor(probs, top_p))
     return (probs / exponential_noise(keys, probs.shape[-1])).argmax(-1)
+
+
+def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest probability in each row's top-p nucleus [N, 1]: token i is in it iff the tokens
+    more probable than i hold less than top_p of the mass (the most probable token always is); equal
+    probabilities are kept or dropped together. probs [N, V] float32.
+
+    No sort (whose int64 indices alone would be 8 bytes a logit). The mass above t, sum(p[p > t]),
+    falls as t grows, and the floor is the smallest t where it is below top_p; that t is a
+    probability, and positive float32 values order like their bits read as int32. So a bisection over
+    those bits, 31 masked sums, finds it exactly."""
+    lo = torch.zeros(probs.shape[0], 1, dtype=torch.int32, device=probs.device)  # mass above 0.0: all of it
+    hi = probs.amax(dim=-1, keepdim=True).view(torch.int32)  # mass above the top probability: none
+    zero = probs.new_zeros(())
+    for _ in range(31):  # hi - lo < 2^31 halves to 1: hi is then the floor's bits
+        mid = lo + (hi - lo) // 2
+        below = torch.where(probs > mid.view(torch.float32), probs, zero).sum(-1, keepdim=True) < top_p  # [N, 1]
+        hi, lo = torch.where(below, mid, hi), torch.where(below, lo, mid)
+    return hi.view(torch.float32)
 
 
 def accept(drafts: torch.Tensor, keep_len: torch.Tensor, target_tok: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from minidcut.dcut import select
 from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
-from minidcut.sampling import accept, mix32, sample, sample_keys
+from minidcut.sampling import accept, mix32, nucleus_floor, sample, sample_keys
 from tiny import make_drafter, make_model
 
 
@@ -105,9 +105,9 @@ def test_the_int32_hash_is_the_unsigned_32_bit_hash():
 
 
 def test_sampling_makes_no_int64_temporary_over_the_vocabulary():
-    """Keyed noise for T = 8 rows over V = 5000: every tensor the sampler makes that spans [T, V] is
-    int32, float32 or bool (an int64 one would be 8 bytes a logit). Top-p < 1 adds the sort's int64
-    indices, which torch.sort always returns."""
+    """Keyed noise and the top-p nucleus for T = 8 rows over V = 5000: every tensor the sampler makes
+    that spans [T, V] is int32, float32 or bool (an int64 one would be 8 bytes a logit; a sort would
+    return int64 indices)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Record(TorchDispatchMode):
@@ -123,9 +123,36 @@ def test_sampling_makes_no_int64_temporary_over_the_vocabulary():
             return out
     logits = torch.randn(8, 5000)
     keys = sample_keys(0, torch.arange(8), torch.arange(8) + 3)
-    with Record() as rec:
-        sample(logits, 0.8, 1.0, keys)
-    assert rec.big and torch.int64 not in rec.big, rec.big
+    for top_p in (1.0, 0.9):
+        with Record() as rec:
+            sample(logits, 0.8, top_p, keys)
+        assert rec.big and torch.int64 not in rec.big, (top_p, rec.big)
+
+
+def sorted_nucleus(probs, top_p):
+    """The reference: sort, keep a token while the mass before it is below top_p. Also the mass
+    before each row's first dropped token (the boundary, where float sums may round either way)."""
+    sp, order = probs.sort(dim=-1, descending=True)
+    before = sp.cumsum(-1) - sp
+    keep = torch.zeros_like(probs).scatter(-1, order, (before < top_p).float()).bool()
+    return keep, before.gather(1, (before < top_p).sum(-1, keepdim=True).clamp(max=probs.shape[1] - 1))
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0, 6.0])
+def test_the_nucleus_without_a_sort_is_the_sorted_one(scale):
+    """nucleus_floor finds each row's nucleus by bisection: the same tokens as the sorted reference,
+    except where the boundary mass is within float rounding of top_p; ties are kept together."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    probs = torch.softmax(torch.randn(64, 3000, generator=g) * scale, dim=-1)
+    for top_p in (0.05, 0.5, 0.9, 0.99):
+        ours = probs >= nucleus_floor(probs, top_p)
+        ref, boundary = sorted_nucleus(probs, top_p)
+        differ = (ours != ref).any(-1)
+        assert ours[:, :].any(-1).all() and (ours.sum(-1) >= 1).all()
+        assert not differ[((boundary[:, 0] - top_p).abs() > 1e-5)].any(), (top_p, differ.nonzero())
+    tied = torch.tensor([[0.3, 0.2, 0.2, 0.2, 0.1]])  # the mass before the 3rd token is 0.5: all 0.2s kept
+    assert (tied >= nucleus_floor(tied, 0.45)).tolist() == [[True, True, True, True, False]]
+    assert (tied >= nucleus_floor(tied, 0.3)).tolist() == [[True, False, False, False, False]]
 
 
 def test_accept_counts_the_matching_prefix_within_keep_len():

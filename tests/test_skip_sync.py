@@ -1,6 +1,6 @@
 """Skipped drafting does not cost the drafter its context: while drafting is off, verification only
 stores the drafter's context features, and the next drafting step writes the missing context K/V from
-them (Engine.catch_up), reporting the seconds it took to the policy. Checked against
+them (Engine.write_context, in the step's one host-to-device copy), reporting the seconds it took to the policy. Checked against
 the K/V computed from scratch over the committed text, with a control where the catch-up is switched off
 (the check must then fail)."""
 
@@ -68,7 +68,7 @@ def test_drafting_after_skipped_steps_sees_the_whole_context(pair, monkeypatch, 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 90, (L,), generator=g).tolist() for L in (7, 12)]
     if not catch_up:
-        monkeypatch.setattr(Engine, "catch_up", lambda self, batch: 0.0)
+        monkeypatch.setattr(Engine, "write_context", lambda self, sent: 0.0)
     policy = SkipsThenDrafts(skips=6)
     engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
     outputs, stats = engine.generate(prompts, 24)

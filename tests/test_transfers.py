@@ -12,10 +12,12 @@ import collections
 import pytest
 import torch
 
+from minidcut.batch import Batch, Request
 from minidcut.cost_model import CostTable
 from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
+from minidcut.stats import Stats
 from tiny import make_drafter, make_model
 
 GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -46,7 +48,7 @@ def test_a_steady_step_copies_once_to_the_host_and_never_to_the_device(tmp_path,
     monkeypatch.setattr(torch, "tensor", lambda *a, **k: (counts.update([] if inside else ["tensor"]),
                                                           real_tensor(*a, **k))[1])
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (
-        counts.update(["h2d"] if src.data_ptr() == engine.staging.data_ptr() else []), real_copy(self, src, *a, **k))[1])
+        counts.update(["h2d"] if src.untyped_storage().data_ptr() == engine.staging.host.untyped_storage().data_ptr() else []), real_copy(self, src, *a, **k))[1])
 
     def on_step(stats, rec):
         per_step.append((rec.drafted, dict(counts)))
@@ -59,8 +61,8 @@ def test_a_steady_step_copies_once_to_the_host_and_never_to_the_device(tmp_path,
         assert c.get("tensor", 0) == 0  # no host list turned into a tensor
         assert c.get("h2d", 0) == 0 and c.get("item", 0) == 0 and c.get("cpu", 0) == 1
     assert all(d for d, _ in steady) == (forced > 0)
-    if forced:  # the first step drafted afresh: its inputs over in one copy, its pick back in one more
-        assert per_step[0][1].get("h2d") == 1 and per_step[0][1].get("cpu", 0) >= 2
+    if forced:  # the first step drafted afresh after the prefill: one copy each, its pick back in one more
+        assert per_step[0][1].get("h2d") == 2 and per_step[0][1].get("cpu", 0) >= 2
 
 
 def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
@@ -83,10 +85,71 @@ def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
     drafter = load_drafter(tmp_path / "drafter", target)
     engine = Engine(target, drafter, Alternating(), batch_size=2, max_seq=96, eos_ids=[], compile=False)
     fresh = []
-    real_draft = engine.draft
-    engine.draft = lambda *a, **k: (fresh.append(1), real_draft(*a, **k))[1]
+    real_draft = engine.run_draft
+    engine.run_draft = lambda *a, **k: (fresh.append(1), real_draft(*a, **k))[1]
     prompts = [[3, 5, 7], [4, 6, 8, 10]]
     out, stats = engine.generate(prompts, 20)
     ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=96, eos_ids=[], compile=False).generate(prompts, 20)
     assert out == ar
     assert len(fresh) == sum(stats.drafting_hist.values())  # every drafting step drafted afresh
+
+
+def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
+    """Steps that are not steady ones too: admissions while others decode (the prefill is one copy each
+    way of its own), compactions at a batch's tail, catch-ups of the drafter's context after AR steps
+    and fresh drafts. Each sends all its host inputs in one copy from the staging buffer; nothing else
+    reaches the device from a host list; one copy back, two when a fresh draft syncs on its pick."""
+    import dataclasses
+
+    class Alternating(Policy):  # static 0.5, drafting on two of every three steps: AR steps need catching up
+        def __init__(self):
+            super().__init__("static", [0.5])
+            self.n = 0
+
+        def plan(self, bucket):
+            self.n += 1
+            return dataclasses.replace(super().plan(bucket), draft=self.n % 3 != 0)
+
+    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
+    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
+    target = load_target(tmp_path / "target")
+    drafter = load_drafter(tmp_path / "drafter", target)
+    engine = Engine(target, drafter, Alternating(), batch_size=4, max_seq=128, eos_ids=[], compile=False)
+    counts, per_step, inside, seen = collections.Counter(), [], [], collections.Counter()
+    real_counted = engine.counted
+
+    def counted(key, fn):
+        run = real_counted(key, fn)
+        return lambda *a: (inside.append(1), run(*a), inside.pop())[1]
+    engine.counted = counted
+    for name in ("prefill", "move_rows", "write_context", "run_draft"):
+        real = getattr(engine, name)
+        setattr(engine, name, lambda *a, _r=real, _n=name, **k: (seen.update([_n]), counts.update([_n]), _r(*a, **k))[2])
+    for name in ("item", "cpu"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: (counts.update([_n]), _r(self, *a, **k))[1])
+    real_tensor, real_copy, real_to = torch.tensor, torch.Tensor.copy_, torch.Tensor.to
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: (counts.update(["to device"] if k.get("device") is not None and not inside else []),
+                                                          real_tensor(*a, **k))[1])
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (counts.update(["to device"] if not inside and (
+        k.get("device") is not None or any(isinstance(x, (str, torch.device)) for x in a)) else []), real_to(self, *a, **k))[1])
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (
+        counts.update(["h2d"] if src.untyped_storage().data_ptr() == engine.staging.host.untyped_storage().data_ptr() else []), real_copy(self, src, *a, **k))[1])
+
+    prompts = [[3 + i, 5, 7, 9, 11][: 2 + i % 4] for i in range(7)]
+    lengths = [12, 30, 20, 44, 16, 26, 36]  # finishing at different steps: rows free while others decode
+    requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    pending, batch, stats = collections.deque(requests), Batch.empty(4, engine.device), Stats()
+    with torch.inference_mode():
+        while pending or batch.live:
+            counts.clear()
+            engine.step(batch, pending, stats)
+            per_step.append(dict(counts))
+    # 7 requests on 4 rows: admissions mid-run; the tail compacts; AR steps make drafting catch up
+    assert seen["prefill"] > 1 and seen["move_rows"] >= 1 and seen["write_context"] >= 1 and seen["run_draft"] >= 1
+    for c in per_step:
+        assert c.get("to device", 0) == 0 and c.get("item", 0) == 0
+        assert c.get("h2d", 0) <= 1 + c.get("prefill", 0)
+        assert c.get("cpu", 0) <= 1 + c.get("run_draft", 0)
+    ar = Engine(target, None, Policy.ar(), batch_size=4, max_seq=128, eos_ids=[], compile=False)
+    assert [r.output for r in requests] == [ar.generate([p], n)[0][0] for p, n in zip(prompts, lengths)]

@@ -1,0 +1,68 @@
+"""Host -> device inputs in one copy. Everything a step (or a prefill) builds on the host, such as the
+draft graph's limits and costs, the rows a compaction moves, the positions a catch-up writes, or a
+prompt's tokens and layout, is written into one host buffer and sent together: a single copy, non_blocking
+from pinned memory on CUDA.
+
+The buffer is float32. Integers below 2^24 (token ids, positions, rows, request indices) are exact; the
+receiver casts them back with .long(). Its first `fixed` slots hold the draft graph's inputs at a place
+that never moves: a draft made ahead (engine.verify) edits them on the device, and a copy that carries no
+new draft inputs leaves them alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Staging:
+    def __init__(self, fixed: int, device: torch.device, extra: int = 1024):
+        self.fixed, self.device = fixed, torch.device(device)
+        self.host = self.dev = None
+        self.reserve(fixed + extra)
+        self.clear()
+
+    def reserve(self, size: int) -> None:
+        """Room for `size` slots (at least doubling); a larger buffer keeps what is staged on the host
+        and the draft inputs on the device."""
+        if self.host is not None and size <= self.host.numel():
+            return
+        if self.host is not None:
+            size = max(size, 2 * self.host.numel())
+        host = torch.zeros(size, pin_memory=self.device.type == "cuda")
+        dev = torch.zeros(size, device=self.device)
+        if self.dev is not None:
+            host[: self.host.numel()] = self.host
+            dev[: self.fixed] = self.dev[: self.fixed]
+        self.host, self.dev = host, dev
+
+    def clear(self) -> None:
+        self.lo, self.end, self.pending = self.fixed, self.fixed, []
+
+    def put(self, values, fixed: bool = False) -> None:
+        """Stage `values` (a sequence of numbers, or a 1-d host tensor); send() returns where they land.
+        fixed: the draft inputs, at the buffer's start."""
+        values = np.asarray(values, dtype=np.float32)
+        n = values.size
+        if fixed:
+            if n > self.fixed:
+                raise ValueError(f"{n} draft inputs do not fit the {self.fixed} fixed slots")
+            start, self.lo = 0, 0
+        else:
+            start = self.end
+            self.end += n
+            self.reserve(self.end)
+        self.host.numpy()[start : start + n] = values
+        self.pending.append((start, n))
+
+    def send(self) -> list[torch.Tensor]:
+        """One copy of everything staged since the last send; returns the device views in put() order."""
+        views = [self.dev[s : s + n] for s, n in self.pending]
+        if self.end > self.lo:
+            self.dev[self.lo : self.end].copy_(self.host[self.lo : self.end], non_blocking=True)
+        self.clear()
+        return views
+
+    def fixed_inputs(self, n: int) -> torch.Tensor:
+        """The draft inputs on the device [n] (as the latest draft left them)."""
+        return self.dev[:n]
