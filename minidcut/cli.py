@@ -120,7 +120,7 @@ def model_limits(target_dir, drafter_dir=None) -> tuple[int, int, int]:
 def max_seq(prompts: list[list[int]], max_new_tokens: int, block: int, positions: int | None = None) -> int:
     """Cache positions of a run: the longest prompt, its new tokens and one draft block, rounded up to
     a multiple of 64 (within the target's `positions`) so that runs of similar lengths share a cost
-    table (attention reads every position, so a step's cost depends on it)."""
+    table (a compiled step's attention reads every position, so its cost depends on them)."""
     need = max(map(len, prompts)) + max_new_tokens + block + 1
     rounded = -(-need // 64) * 64
     return rounded if positions is None or rounded <= positions else need

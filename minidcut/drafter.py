@@ -144,14 +144,16 @@ class DFlashDrafter(nn.Module):
             cache.k[row, :, pos] = k
             cache.v[row, :, pos] = v
 
-    def forward(self, target: nn.Module, anchor: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, target: nn.Module, anchor: torch.Tensor, anchor_pos: torch.Tensor,
+                span: int | None = None) -> torch.Tensor:
         """Draft one block per row of the cache [0, b). anchor, anchor_pos [b] -> logits [b, D, V] (V' with
         a draft vocabulary: tokens() maps them), with the target's embedding and lm_head (as borrowed,
         or the target's own modules).
 
         The block's own K/V go into the cache at anchor_pos .. anchor_pos + D: positions that the
-        next verification overwrites with real context, so no separate block cache is needed."""
-        b, Bs, S = anchor.shape[0], self.block_size, self.caches[0].k.shape[2]
+        next verification overwrites with real context, so no separate block cache is needed.
+        span: the cache positions attention reads (default: all; more than every anchor_pos + block)."""
+        b, Bs, S = anchor.shape[0], self.block_size, span or self.caches[0].k.shape[2]
         offs = torch.arange(Bs, device=anchor.device)  # [Bs]
         block = torch.full((b, Bs), self.cfg.mask_token_id, dtype=anchor.dtype, device=anchor.device)
         block[:, 0] = anchor  # [b, Bs]: anchor, mask, ..., mask

@@ -25,6 +25,10 @@ changed. A step that needs host inputs (a fresh draft's limits and costs, the ro
 the positions a catch-up writes) sends them all in one copy (staging.py); a fresh draft then syncs once
 more, on its pick. An admission's prefill is one copy each way of its own. `ar` runs the verify graph
 with K = 0 (one token per row) and never drafts.
+
+Attention span: a compiled graph's attention reads every cache position (static shapes); an eager
+step reads only the positions up to the live rows' furthest token, rounded up to SPAN_STEP
+(Engine.span), so on a CPU a run pays for its context, not for the cache it allocated.
 docs/walkthrough.md follows one step through this file.
 """
 
@@ -47,6 +51,9 @@ from .policy import Policy, StepPlan, StepRecord
 from .sampling import accept, sample, sample_keys
 from .staging import Staging
 from .stats import Stats
+
+
+SPAN_STEP = 16  # eager steps read the cache in multiples of this many positions (Engine.span)
 
 
 @dataclass
@@ -93,6 +100,13 @@ class Engine:
         self.on_measure = None  # on_measure(bucket, rho) while a missing cost row is measured
         self.graphs: dict[tuple, callable] = {}
         self.calls: collections.Counter = collections.Counter()  # runs of each graph (warmup checks)
+
+    def span(self, reach: int) -> int | None:
+        """Cache positions a step's attention reads when its furthest token sits at position reach - 1.
+        Eager: those, rounded up to a multiple of SPAN_STEP (attention's time grows with the positions
+        read, so a run pays for its context, not for its cache). Compiled: None, all of them (one
+        static shape per graph)."""
+        return None if self.compile else min(self.max_seq, -(-reach // SPAN_STEP) * SPAN_STEP)
 
     def budgets(self, b: int) -> list[int]:
         """K(rho) for every rho of the policy's grid at bucket b."""
@@ -151,11 +165,12 @@ class Engine:
             self.move_rows(batch, sent.popleft())
         catchup = self.write_context(sent.popleft()) if unsynced else 0.0
         t0 = time.perf_counter()
+        reach = max(batch.requests[i].anchor_pos for i in rows) + 1  # past the live rows' anchors
         if fresh:
-            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs)
+            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs, self.span(reach + self.block))
         K = self.budgets(b)[draft.rho_index] if drafting else 0
         t1 = time.perf_counter()
-        commit, n_commit, kept = self.verify(batch, b, draft, K)
+        commit, n_commit, kept = self.verify(batch, b, draft, K, reach)
         t2 = time.perf_counter()
         self.commit(batch, commit, n_commit, draft, stats, on_finish)
         rec = StepRecord(bucket=b, n_live=len(rows), drafted=drafting,
@@ -197,20 +212,21 @@ class Engine:
         return time.perf_counter() - t0
 
     def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, limit: list[int], n_live: int,
-              plan: StepPlan) -> Draft:
+              plan: StepPlan, span: int | None = None) -> Draft:
         """Run the draft graph of bucket b = len(anchor): anchor, anchor_pos [b]; limit: drafts each row
-        can still use (0 for an empty row). Its other inputs go over in one copy; syncs once: rho*
-        picks the verify graph."""
+        can still use (0 for an empty row); span (Engine.span; default: the whole cache). Its other
+        inputs go over in one copy; syncs once: rho* picks the verify graph."""
         self.stage_draft(limit, n_live, plan)
-        return self.run_draft(anchor, anchor_pos, self.staging.send()[0])
+        return self.run_draft(anchor, anchor_pos, self.staging.send()[0], span)
 
     def stage_draft(self, limit: list[int], n_live: int, plan: StepPlan) -> None:
         """Stage the draft graph's inputs: limit [b], n_live, gain_scale, cost [n_rho]."""
         self.staging.put(limit + [n_live, plan.gain_scale] + list(plan.cost), fixed=True)
 
-    def run_draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, inputs: torch.Tensor) -> Draft:
+    def run_draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, inputs: torch.Tensor,
+                  span: int | None = None) -> Draft:
         """draft() with its inputs [b + 2 + n_rho] already on the device."""
-        out = self.graph("draft", anchor.shape[0])(anchor, anchor_pos, inputs)
+        out = self.graph("draft", anchor.shape[0])(anchor, anchor_pos, inputs, span)
         return self.drafted(out, out[4].cpu())  # [rho index, its gain]: the host sync of this draft
 
     @staticmethod
@@ -219,24 +235,27 @@ class Engine:
         outputs are overwritten when it replays."""
         return Draft(*(t.clone() for t in out[:4]), rho_index=int(pick[0]), predicted=float(pick[1]))
 
-    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int):
+    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, reach: int):
         """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft) and
         move the rows' anchors on. A step that drafted then drafts the next step's block already
         (batch.ahead), so that its pick crosses to the host with this step's tokens, in one copy.
-        Returns, on the host: commit [b, block], n_commit [b], kept [b]."""
+        reach: one past the live rows' furthest anchor. Returns, on the host: commit [b, block],
+        n_commit [b], kept [b]."""
+        Q = min(self.block, K + 1)  # the longest row verified
         keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
         # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
         # a step that did not only stores the features (see catch_up).
         fn = self.graph("verify", b, K, kv=draft is not None or self.drafter is None)
         commit, n_commit, anchor, anchor_pos = fn(batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
-                                                  draft.drafts if draft else None, keep_len)
+                                                  draft.drafts if draft else None, keep_len, self.span(reach + Q - 1))
         batch.anchor[:b], batch.anchor_pos[:b] = anchor, anchor_pos
         kept = keep_len if K else torch.zeros_like(n_commit)
         host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1)  # [b, block + 2]
         if draft is not None:  # the next draft: the same inputs, each row's limit less what it commits
             inputs = self.staging.fixed_inputs(b + 2 + len(self.policy.rhos))
             inputs[:b] = (inputs[:b] - n_commit).clamp(min=0)  # in place: the inputs of the latest draft
-            out = self.graph("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs)
+            out = self.graph("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs,
+                                         self.span(reach + Q + self.block))  # anchors moved <= Q on
             host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
         host = host.cpu()  # the step's one copy to the host
         if draft is not None:
@@ -313,17 +332,20 @@ class Engine:
         return self.graphs[key]
 
     def counted(self, key: tuple, fn):
-        """fn, counting its runs in self.calls[key]."""
-        return lambda *args: (self.calls.update([key]), fn(*args))[1]
+        """fn, counting its runs in self.calls[key]. The optional span is always passed (None if not
+        given): a compiled graph called with another number of arguments would compile again."""
+        n = 4 if key[0] == "draft" else 6
+        return lambda *args: (self.calls.update([key]), fn(*args, *[None] * (n - len(args))))[1]
 
-    def _draft(self, anchor, anchor_pos, inputs):
+    def _draft(self, anchor, anchor_pos, inputs, span=None):
         """Draft one block per row and run the D-cut selector for every rho of the grid.
-        anchor, anchor_pos [b]; inputs [b + 2 + n_rho]: limit [b], n_live, gain_scale, cost [n_rho]
-        -> drafts [b, D], keep_len [n_rho, b], expected accepted drafts [n_rho], log prefix scores
-        [b, D], [rho index, its expected accepted drafts] [2]."""
+        anchor, anchor_pos [b]; inputs [b + 2 + n_rho]: limit [b], n_live, gain_scale, cost [n_rho];
+        span: cache positions read (Engine.span; None: all) -> drafts [b, D], keep_len [n_rho, b],
+        expected accepted drafts [n_rho], log prefix scores [b, D], [rho index, its expected accepted
+        drafts] [2]."""
         b = anchor.shape[0]
         limit, n_live, gain_scale, cost = inputs[:b].long(), inputs[b], inputs[b + 1], inputs[b + 2 :]
-        logits = self.drafter(self.target, anchor, anchor_pos)  # [b, D, V]
+        logits = self.drafter(self.target, anchor, anchor_pos, span)  # [b, D, V]
         # The greedy drafts and their softmax probabilities [b, D]: one fused softmax pass, then max.
         conf, idx = torch.softmax(logits.float(), dim=-1).max(dim=-1)
         sel = select(conf, limit, self.budgets(b))
@@ -332,10 +354,11 @@ class Engine:
         pick = torch.cat([rho.to(sel.gains.dtype), sel.gains.gather(0, rho)])  # [2]: one copy to the host
         return self.drafter.tokens(idx), sel.keep_lens, sel.gains, sel.log_s, pick
 
-    def _verify(self, anchor, anchor_pos, request_ids, drafts, keep_len, K: int, kv: bool = True):
+    def _verify(self, anchor, anchor_pos, request_ids, drafts, keep_len, span=None, K: int = 0, kv: bool = True):
         """Pack, verify, accept (docs/method.md, "Verification"). anchor, anchor_pos, request_ids [b];
-        drafts [b, D]; keep_len [b] with sum <= K -> commit [b, block] (accepted drafts then the bonus),
-        n_commit [b], the new anchor and anchor_pos [b]."""
+        drafts [b, D]; keep_len [b] with sum <= K; span: cache positions attention reads (Engine.span;
+        None: all) -> commit [b, block] (accepted drafts then the bonus), n_commit [b], the new anchor
+        and anchor_pos [b]."""
         b, dev = anchor.shape[0], anchor.device
         Q = min(self.block, K + 1)  # the longest row: anchor + at most min(D, K) drafts
         T = b + K
@@ -355,7 +378,7 @@ class Engine:
             tokens = grid.flatten()[src]  # [T]
         row, col = src // Q, src % Q
         pos = anchor_pos[row] + col  # [T]
-        layout = causal_layout(row, pos, col, b, Q, self.max_seq)
+        layout = causal_layout(row, pos, col, b, Q, span or self.max_seq)
         logits, taps = self.target(tokens, layout, taps=self.taps)  # [T, V], [T, n_taps*H]
         # The target's token after each packed one, drawn with the key of (request, position): the
         # same draw AR decoding makes there, so accepted drafts are exactly AR's tokens.

@@ -161,8 +161,9 @@ class Attention(nn.Module):
             k_cache, v_cache = cache
             k_cache[layout.row, :, layout.pos] = k
             v_cache[layout.row, :, layout.pos] = v
-            if not layout.prefill:
-                kg, vg = k_cache[: layout.n], v_cache[: layout.n]  # [n, n_kv, S, Dh], a view
+            if not layout.prefill:  # the first S positions, S from the mask (the step's span)
+                S = layout.mask.shape[-1]
+                kg, vg = k_cache[: layout.n, :, :S], v_cache[: layout.n, :, :S]  # [n, n_kv, S, Dh], a view
         if not layout.prefill:
             out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=layout.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(layout.n * layout.Q, -1)[layout.slot]  # [T, Hq*Dh]

@@ -44,36 +44,39 @@ def nondecreasing(xs: list[float]) -> list[float]:
     return [s / n for s, n in blocks for _ in range(n)]
 
 
-def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, ri: int):
+def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, ri: int, reach: int):
     """Seconds of one step at the grid's rho index ri on rows [0, b) (K = 0: a step without a draft),
-    its Draft (None for K = 0) and its committed tokens per row n_commit [b]. Nothing advances: the
-    rows' anchors and positions are not touched."""
+    its Draft (None for K = 0) and its committed tokens per row n_commit [b]; reach: one past the
+    furthest live anchor (the attention span follows it, Engine.span). Nothing advances: the rows'
+    anchors and positions are not touched."""
     b, dev = anchor.shape[0], anchor.device
     K = engine.budgets(b)[ri]
+    span = engine.span(reach + min(engine.block, K + 1) - 1)
     plan = StepPlan(True, [1.0] * len(engine.policy.rhos), 1.0)  # costs do not change the work
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
     draft = None
     if K == 0:
-        commit, n_commit = engine.graph("verify", b, 0, kv=False)(anchor, anchor_pos, ids, None, None)[:2]
+        commit, n_commit = engine.graph("verify", b, 0, kv=False)(anchor, anchor_pos, ids, None, None, span)[:2]
     else:
-        draft = engine.draft(anchor, anchor_pos, limit, n_live, plan)  # syncs on rho*, as a real step
-        commit, n_commit = engine.graph("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri])[:2]
+        draft = engine.draft(anchor, anchor_pos, limit, n_live, plan, engine.span(reach + engine.block))  # syncs on rho*
+        commit, n_commit = engine.graph("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri],
+                                                        span)[:2]
     host = torch.cat([commit, n_commit[:, None]], dim=1).cpu()
     return time.perf_counter() - t0, draft, host[:, -1]
 
 
 @torch.inference_mode()
-def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[int], repeats: int = 1,
+def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[int], reach: int, repeats: int = 1,
                  on_step=None) -> tuple[list[float], list[int], list[tuple[float, float, int]]]:
     """The cost row [n_rho] of bucket b = len(anchor) measured on these live rows (module docstring):
     per rho one untimed step unless its graphs already replay, then the median of `repeats` timed steps,
     or of up to LIVE_SAMPLES while they take less than LIVE_SECONDS (cheap steps are noisy). Also
     the timed steps behind each entry, and what each drafting rho's step would have done, (rho,
     expected accepted drafts, accepted drafts)
-    over the live rows (their indices): real acceptance the policy can learn from. on_step(b, rho)
-    after every step."""
+    over the live rows (their indices): real acceptance the policy can learn from. reach: one past
+    the furthest live anchor. on_step(b, rho) after every step."""
     b, rhos, policy, n_live = anchor.shape[0], engine.policy.rhos, engine.policy, len(live)
     Ks = engine.budgets(b)
     seen, samples = [], [0] * len(rhos)
@@ -83,10 +86,10 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
         runs = min(engine.calls[k] for k in keys)  # compiled: run until it replays; eager: once, to allocate
         warm = max(0, REPLAYED - runs) if engine.compile else int(runs == 0)
         for _ in range(warm):
-            timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri)
+            timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri, reach)
         steps = []
         while len(steps) < repeats or (len(steps) < LIVE_SAMPLES and sum(s[0] for s in steps) < LIVE_SECONDS):
-            steps.append(timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri))
+            steps.append(timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri, reach))
         _, draft, n_commit = steps[-1]
         if draft is not None:
             seen.append((rhos[ri], float(draft.gain[ri]), int(n_commit[live].sum()) - len(live)))
@@ -101,7 +104,8 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
         row[ri] = cell(ri)
     if not drafting:
         return row, samples, seen
-    gain = engine.draft(anchor, anchor_pos, limit, n_live, StepPlan(True, [1.0] * len(rhos), 1.0)).gain.tolist()
+    gain = engine.draft(anchor, anchor_pos, limit, n_live, StepPlan(True, [1.0] * len(rhos), 1.0),
+                        engine.span(reach + engine.block)).gain.tolist()
     scale = torch.tensor(policy.calibration.gain_scale)
     rate = [float(policy.committed(torch.tensor(g), torch.tensor(float(n_live)), scale)) for g in gain]
     best = max((rate[ri] / row[ri] for ri in range(len(rhos)) if Ks[ri] == 0), default=0.0)
@@ -124,8 +128,9 @@ def measure_row(engine, batch, b: int) -> float:
     t0 = time.perf_counter()
     engine.catch_up(batch)  # drafting steps need the drafter's whole context
     rows = batch.live
+    reach = max(batch.requests[i].anchor_pos for i in rows) + 1
     row, samples, seen = measure_live(engine, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
-                                      batch.limits(b), rows, on_step=engine.on_measure)
+                                      batch.limits(b), rows, reach, on_step=engine.on_measure)
     engine.policy.table.add_row(b, row, samples)
     for rho, predicted, accepted in seen:
         engine.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
@@ -149,7 +154,7 @@ def time_steps(engine, B: int, context_len: int, repeats: int = 10, warmup: int 
     rhos = engine.policy.rhos
 
     def step(ri: int) -> float:
-        seconds = timed_step(engine, anchor, anchor_pos, ids, [D] * B, B, ri)[0]
+        seconds = timed_step(engine, anchor, anchor_pos, ids, [D] * B, B, ri, context_len + 1)[0]
         if on_step is not None:
             on_step(rhos[ri])
         return seconds

@@ -419,3 +419,35 @@ def test_a_pair_packed_for_onednn_is_lossless_under_every_policy(tmp_path):
         assert run(target, drafter, POLICIES[name](), 3, prompts, MAX_NEW)[0] == ref, name
     with pytest.raises(ValueError, match="pack=False"):
         Engine(target, drafter, Policy.full(), batch_size=2, max_seq=MAX_SEQ, compile=True)
+
+
+def test_eager_attention_reads_only_the_live_span(pair, monkeypatch):
+    """An eager engine's attention reads the cache only up to the row's furthest token (rounded up to
+    engine.SPAN_STEP), not the whole cache, with the outputs AR's all the same (the tests above run
+    eager engines with other rows too). One row, so that every recorded position is a live one."""
+    import minidcut.drafter
+    import minidcut.engine
+
+    _, target, drafter, _ = pair
+    spans = collections.defaultdict(list)
+    real_causal, real_block = minidcut.engine.causal_layout, minidcut.drafter.block_mask
+
+    def causal(row, pos, col, n, Q, S):
+        spans["verify"].append((S, int(pos.max()) + 1))  # the positions its tokens read: 0 .. pos
+        return real_causal(row, pos, col, n, Q, S)
+
+    def block(anchor_pos, Bs, S, *a):
+        spans["draft"].append((S, int(anchor_pos.max()) + Bs))  # context and block: < anchor_pos + Bs
+        return real_block(anchor_pos, Bs, S, *a)
+    monkeypatch.setattr(minidcut.engine, "causal_layout", causal)
+    monkeypatch.setattr(minidcut.drafter, "block_mask", block)
+    prompts, max_seq, step = prompts_for(1)[:1], 512, minidcut.engine.SPAN_STEP
+    outputs = run(target, drafter, Policy.static(0.5), 1, prompts, 40, max_seq=max_seq)[0]
+    monkeypatch.undo()
+    assert outputs == run(target, None, Policy.ar(), 1, prompts, 40, max_seq=max_seq)[0]
+    assert len(spans["verify"]) > 3 and len(spans["draft"]) > 3
+    for kind, seen in spans.items():
+        assert all(S % step == 0 and need <= S < max_seq for S, need in seen), (kind, seen)
+        # at most a rounding step more; a draft made ahead reaches a block further than it needs
+        slack = step + (drafter.block_size if kind == "draft" else 0)
+        assert all(S - need < slack for S, need in seen), (kind, seen)

@@ -63,7 +63,7 @@ class FixedDrafter(torch.nn.Module):
     def tokens(self, idx):
         return idx
 
-    def forward(self, target, anchor, anchor_pos):
+    def forward(self, target, anchor, anchor_pos, span=None):
         probs = torch.full((anchor.shape[0], self.block_size - 1, self.vocab), (1 - self.conf) / (self.vocab - 1))
         probs[..., 1] = self.conf
         return probs.log()  # [B, D, V]

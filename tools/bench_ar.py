@@ -65,8 +65,9 @@ def bandwidths(mbytes: int = 1024, repeats: int = 5) -> tuple[float, float]:
 def bytes_per_step(target, max_seq: int, batch: int) -> int:
     """Bytes an AR step reads: every weight matrix once (an embedding tied to the lm_head counts once:
     the head reads it whole, the lookup one row per token), norms, and each layer's static K/V cache
-    rows, which attention reads over all max_seq positions. Packed weights (layers.PackedLinear) count
-    as what they hold."""
+    rows over all max_seq positions (what a compiled step reads; an eager one reads its span,
+    Engine.span, fewer early in a run: for it an upper bound). Packed weights (layers.PackedLinear)
+    count as what they hold."""
     weights = {}
     for m in target.modules():
         for t in [*m.parameters(recurse=False), *([m.weight] if isinstance(m, PackedLinear) else [])]:

@@ -1,13 +1,14 @@
 """Measure `python -m minidcut.generate` as users run it: one process per run, from a cold start.
 
-For each batch size B: the first n prompts of a prompt file (n = 2B, at least 8), and a cost-table file
-of its own that starts empty (as in a fresh checkout). Then ar, dcut, dcut, ar, ar, dcut, ... (--runs
-pairs, the order alternating so a machine that drifts during the sequence favours neither), each a new
-process. dcut's first run measures the cost rows it reaches and learns from nothing; the later
-ones start from what the earlier ones saved. Reported per B: AR tok/s (median of its runs), dcut's first
-run and the median of its later runs against it, the median of the paired ratios (each later dcut run
-over the AR run of its pair), and every run's wall time (process start
-to exit) and the seconds the first run spent measuring its cost rows. Writes JSON.
+For each batch size B: the first n prompts of a prompt file (n = 2B, at least 8), and --sequences
+sequences, each with a cost-table file of its own that starts empty (as in a fresh checkout). A sequence
+is ar, dcut, dcut, ar, ar, dcut, ... (--runs pairs, the order alternating so a machine that drifts
+during the sequence favours neither), each a new process. dcut's first run measures the cost rows it
+reaches and learns from nothing; the later ones start from what the earlier ones saved. Ratios are
+paired: each dcut run over the AR run of its pair. Reported per B: AR tok/s (median of its runs), the
+median paired ratio of the first runs (one per sequence) and of the later runs, their ranges, and
+wall times (process start to exit; the first run's includes the seconds it spent measuring its cost
+rows). Writes JSON.
 
     python tools/oneshot.py --batch-sizes 1,4,16,32,64 --output docs/bench/oneshot_demo.json
 """
@@ -42,7 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="1,4,16,32,64")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 8))")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=5, help="runs of each policy per batch size (default: %(default)s)")
+    p.add_argument("--runs", type=int, default=3, help="runs of each policy per sequence (default: %(default)s)")
+    p.add_argument("--sequences", type=int, default=2,
+                   help="sequences per batch size, each from an empty cost table (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", default=None, help="JSON with every run")
     return p.parse_args(argv)
@@ -66,46 +69,49 @@ def one_run(args, policy: str, prompts: Path, table: Path, B: int, work: Path) -
 
 def run(args, console: Console) -> int:
     batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
-    cli.check_positive(args, "runs", "max_new_tokens", "num_prompts")
+    cli.check_positive(args, "runs", "sequences", "max_new_tokens", "num_prompts")
     cli.check_writable(args.output, "--output")
     lines = [x for x in Path(args.prompts).read_text().splitlines() if x.strip()]
     out = {"target": args.target, "drafter": args.drafter, "prompts": args.prompts, "chat": args.chat,
            "max_new_tokens": args.max_new_tokens, "per_batch": {}}
     t = Table(title="python -m minidcut.generate, one process per run (dcut / AR tok/s; wall s)")
-    for c in ("B", "AR tok/s", "dcut 1st", "dcut later", "later, paired", "AR wall", "dcut 1st wall", "of it measuring",
-              "dcut later wall"):
+    for c in ("B", "AR tok/s", "dcut 1st / AR", "dcut later / AR", "AR wall s", "1st wall / AR", "of it measuring s"):
         t.add_column(c, justify="right")
+    span = lambda xs: f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})" if xs else "-"  # noqa: E731
     for B in batch_sizes:
         n = args.num_prompts or max(2 * B, 8)
-        with tempfile.TemporaryDirectory() as tmp:
-            work = Path(tmp)
-            prompts = work / "prompts.jsonl"
-            prompts.write_text("\n".join((lines * (n // len(lines) + 1))[:n]) + "\n")
-            runs = []
-            for i in range(args.runs):  # ar, dcut, then dcut, ar, ...: a steady drift hits both alike
-                for policy in ("ar", "dcut") if i % 2 == 0 else ("dcut", "ar"):
-                    runs.append(one_run(args, policy, prompts, work / "table.json", B, work))
-                    console.log(f"B={B} {policy} run {i + 1}: {runs[-1]['tokens_per_second']:.1f} tok/s, "
-                                f"{runs[-1]['wall_seconds']:.1f} s")
-        ar = [r for r in runs if r["policy"] == "ar"]
-        dc = [r for r in runs if r["policy"] == "dcut"]
+        sequences = []
+        for seq in range(args.sequences):
+            with tempfile.TemporaryDirectory() as tmp:
+                work = Path(tmp)
+                prompts = work / "prompts.jsonl"
+                prompts.write_text("\n".join((lines * (n // len(lines) + 1))[:n]) + "\n")
+                runs = []
+                for i in range(args.runs):  # ar, dcut, then dcut, ar, ...: a steady drift hits both alike
+                    for policy in ("ar", "dcut") if (i + seq) % 2 == 0 else ("dcut", "ar"):
+                        runs.append(one_run(args, policy, prompts, work / "table.json", B, work))
+                        console.log(f"B={B} sequence {seq + 1} {policy} run {i + 1}: "
+                                    f"{runs[-1]['tokens_per_second']:.1f} tok/s, {runs[-1]['wall_seconds']:.1f} s")
+            sequences.append(runs)
+        pairs = [list(zip([r for r in runs if r["policy"] == "ar"], [r for r in runs if r["policy"] == "dcut"]))
+                 for runs in sequences]  # [sequence][i] = (ar run, dcut run)
+        ratio = lambda a, d: d["tokens_per_second"] / a["tokens_per_second"]  # noqa: E731
+        first = [ratio(*p[0]) for p in pairs]
+        later = [ratio(*x) for p in pairs for x in p[1:]]
+        first_wall = [p[0][1]["wall_seconds"] / p[0][0]["wall_seconds"] for p in pairs]
+        ar = [a for p in pairs for a, _ in p]
         ar_tps = statistics.median(r["tokens_per_second"] for r in ar)
         ar_wall = statistics.median(r["wall_seconds"] for r in ar)
-        later = statistics.median(r["tokens_per_second"] for r in dc[1:]) if len(dc) > 1 else None
-        later_wall = statistics.median(r["wall_seconds"] for r in dc[1:]) if len(dc) > 1 else None
-        paired = [d["tokens_per_second"] / a["tokens_per_second"] for a, d in zip(ar[1:], dc[1:])]
+        measuring = [p[0][1]["profile_seconds"] for p in pairs]
         out["per_batch"][str(B)] = {
-            "prompts": n, "ar_tokens_per_second": ar_tps, "dcut_first_vs_ar": dc[0]["tokens_per_second"] / ar_tps,
-            "dcut_later_vs_ar": later / ar_tps if later else None,
-            "dcut_later_vs_ar_paired": statistics.median(paired) if paired else None,
-            "paired_range": [min(paired), max(paired)] if paired else None, "ar_wall_seconds": ar_wall,
-            "dcut_first_wall_vs_ar": dc[0]["wall_seconds"] / ar_wall, "runs": runs}
-        t.add_row(str(B), f"{ar_tps:.1f}", f"{dc[0]['tokens_per_second'] / ar_tps:.2f}x",
-                  f"{later / ar_tps:.2f}x" if later else "-",
-                  f"{statistics.median(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})" if paired else "-",
-                  f"{ar_wall:.1f}",
-                  f"{dc[0]['wall_seconds']:.1f} ({dc[0]['wall_seconds'] / ar_wall:.2f}x)",
-                  f"{dc[0]['profile_seconds']:.1f}", f"{later_wall:.1f}" if later_wall else "-")
+            "prompts": n, "ar_tokens_per_second": ar_tps, "ar_wall_seconds": ar_wall,
+            "dcut_first_vs_ar": statistics.median(first), "first_range": [min(first), max(first)],
+            "dcut_later_vs_ar": statistics.median(later) if later else None,
+            "later_range": [min(later), max(later)] if later else None,
+            "dcut_first_wall_vs_ar": statistics.median(first_wall), "first_wall_range": [min(first_wall), max(first_wall)],
+            "first_measuring_seconds": measuring, "sequences": sequences}
+        t.add_row(str(B), f"{ar_tps:.1f}", span(first), span(later), f"{ar_wall:.1f}", span(first_wall),
+                  "/".join(f"{m:.1f}" for m in measuring))
     console.print(t)
     if args.output:
         Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
