@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 TABLE_DIR = Path(__file__).resolve().parent.parent / "compile_cache" / "cost_tables"
+METHOD = 2  # 2: eager steps read the live attention span; rows pruned only where full acceptance loses
 MEMORY = 20  # a refined entry is the mean of its last ~20 steps' seconds
 CLAMP = 3.0  # one step counts at most this many times (or 1 / this) the entry's seconds
 
@@ -125,14 +126,16 @@ def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: b
                 sampling: str = "greedy") -> dict:
     """What a table's seconds depend on: a table measured under another fingerprint is not used
     (packed: linear layers packed for oneDNN, layers.is_packed; max_seq: the cache positions attention
-    reads; sampling: greedy, sampled or top-p)."""
+    reads (all of them when compiled; an eager step reads its live span); sampling: greedy, sampled or
+    top-p; method: how the seconds are measured, bumped when that changes so older tables are
+    measured again)."""
     def shape_hash(d) -> str:
         key = shape_key(d)
         return hashlib.sha1(key).hexdigest()[:12] if key else "none"
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).replace("torch.", ""),
             "drafter_dtype": str(drafter_dtype or dtype).replace("torch.", ""), "compiled": bool(compiled),
-            "packed": bool(packed), "max_seq": int(max_seq), "sampling": sampling,
+            "packed": bool(packed), "max_seq": int(max_seq), "sampling": sampling, "method": METHOD,
             "target_config": shape_hash(target_dir), "drafter_config": shape_hash(drafter_dir)}
 
 

@@ -152,8 +152,11 @@ class DFlashDrafter(nn.Module):
 
         The block's own K/V go into the cache at anchor_pos .. anchor_pos + D: positions that the
         next verification overwrites with real context, so no separate block cache is needed.
-        span: the cache positions attention reads (default: all; more than every anchor_pos + block)."""
+        span: the cache positions attention reads (default: all); at least every live row's
+        anchor_pos + block (empty rows are moved inside it, so a window never hides every key)."""
         b, Bs, S = anchor.shape[0], self.block_size, span or self.caches[0].k.shape[2]
+        if span is not None:
+            anchor_pos = anchor_pos.clamp(max=span - Bs)
         offs = torch.arange(Bs, device=anchor.device)  # [Bs]
         block = torch.full((b, Bs), self.cfg.mask_token_id, dtype=anchor.dtype, device=anchor.device)
         block[:, 0] = anchor  # [b, Bs]: anchor, mask, ..., mask

@@ -362,6 +362,8 @@ class Engine:
         b, dev = anchor.shape[0], anchor.device
         Q = min(self.block, K + 1)  # the longest row: anchor + at most min(D, K) drafts
         T = b + K
+        if span is not None:  # empty rows too stay inside it (a live row always is): a window never
+            anchor_pos = anchor_pos.clamp(max=span - Q)  # hides every key from a token
         if K == 0:  # an AR step: one token per row
             src = torch.arange(b, device=dev)  # [T]
             tokens = anchor

@@ -8,9 +8,11 @@ measure_live  each rho timed on the live rows
               themselves. Positions do not advance and nothing is emitted: what a timed step writes
               into the caches lies at or past each row's anchor, which the next real step writes again
               before anything reads it, so the output is unchanged. Rhos go up from the smallest; the
-              row stops where even the largest budget's gain (this step's confidences) at the last
-              measured cost cannot beat the best rate measured so far, since costs only grow with rho.
-              The rest stay unmeasured (inf: never chosen).
+              row stops where a larger budget could not beat the best rate measured so far even if
+              it accepted every draft it can keep, since costs only grow with rho. The rest stay
+              unmeasured (inf: never chosen). Not this step's confidences: one step's are a noisy
+              guess (a first step after the prompt is often unsure), and a rho left out is never
+              chosen.
 measure       tools/profile.py: whole rows on random context, the rhos taking turns.
 """
 
@@ -109,11 +111,13 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     scale = torch.tensor(policy.calibration.gain_scale)
     rate = [float(policy.committed(torch.tensor(g), torch.tensor(float(n_live)), scale)) for g in gain]
     best = max((rate[ri] / row[ri] for ri in range(len(rhos)) if Ks[ri] == 0), default=0.0)
+    keepable = min(max(Ks), sum(min(x, engine.D) for x in limit))  # drafts the live rows can still emit
+    ceiling = float(policy.committed(torch.tensor(float(keepable)), torch.tensor(float(n_live)), torch.tensor(1.0)))
     for ri in drafting:
         row[ri] = cell(ri)
         best = max(best, rate[ri] / row[ri])
-        if rate[drafting[-1]] / row[ri] <= best and ri != drafting[-1]:
-            break  # no larger budget can win: it costs at least row[ri] and gains at most the largest
+        if ceiling / row[ri] <= best and ri != drafting[-1]:
+            break  # no larger budget can win: it costs at least row[ri] and commits at most the ceiling
     measured = [ri for ri in drafting if not math.isinf(row[ri])]
     for ri, x in zip(measured, nondecreasing([row[ri] for ri in measured])):
         row[ri] = x

@@ -6,7 +6,8 @@ from pinned memory on CUDA.
 The buffer is float32. Integers below 2^24 (token ids, positions, rows, request indices) are exact; the
 receiver casts them back with .long(). Its first `fixed` slots hold the draft graph's inputs at a place
 that never moves: a draft made ahead (engine.verify) edits them on the device, and a copy that carries no
-new draft inputs leaves them alone.
+new draft inputs leaves them alone. On CUDA the copy runs after the host has moved on, so the next put()
+first waits for it to finish reading the buffer (usually long done: each step ends with a copy back).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 class Staging:
     def __init__(self, fixed: int, device: torch.device, extra: int = 1024):
         self.fixed, self.device = fixed, torch.device(device)
-        self.host = self.dev = None
+        self.host = self.dev = self.copying = None
         self.reserve(fixed + extra)
         self.clear()
 
@@ -42,6 +43,9 @@ class Staging:
     def put(self, values, fixed: bool = False) -> None:
         """Stage `values` (a sequence of numbers, or a 1-d host tensor); send() returns where they land.
         fixed: the draft inputs, at the buffer's start."""
+        if self.copying is not None:  # the last copy may still be reading the host buffer
+            self.copying.synchronize()
+            self.copying = None
         values = np.asarray(values, dtype=np.float32)
         n = values.size
         if fixed:
@@ -60,6 +64,9 @@ class Staging:
         views = [self.dev[s : s + n] for s, n in self.pending]
         if self.end > self.lo:
             self.dev[self.lo : self.end].copy_(self.host[self.lo : self.end], non_blocking=True)
+            if self.device.type == "cuda":
+                self.copying = torch.cuda.Event()
+                self.copying.record()
         self.clear()
         return views
 

@@ -451,3 +451,41 @@ def test_eager_attention_reads_only_the_live_span(pair, monkeypatch):
         # at most a rounding step more; a draft made ahead reaches a block further than it needs
         slack = step + (drafter.block_size if kind == "draft" else 0)
         assert all(S - need < slack for S, need in seen), (kind, seen)
+
+
+def test_a_freed_row_far_past_the_span_keeps_a_key_in_every_window(tmp_path, monkeypatch):
+    """A row freed after a long request keeps stepping at its old position, far past the span of the
+    short request still decoding. With a sliding window a token there would see no key at all (some
+    attention kernels then give NaN, which a later request in that row could read; this CPU's gives
+    zeros): such rows are moved inside the span. Every attention mask of the run must let each query
+    see a key, and the short request must equal AR."""
+    import minidcut.layers
+    from minidcut.batch import Batch, Request
+    from minidcut.stats import Stats
+
+    hf = make_model(tmp_path / "target", "qwen3", use_sliding_window=True, sliding_window=6,
+                    layer_types=["sliding_attention"] * 4, num_hidden_layers=4)
+    make_drafter(tmp_path / "drafter", hf.config, sliding_window=6, layer_types=["sliding_attention"] * 2)
+    target = load_target(tmp_path / "target")
+    drafter = load_drafter(tmp_path / "drafter", target)
+    assert target.cfg.sliding_window == 6
+    blind = []
+    real_sdpa = minidcut.layers.F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            blind.append(int((~attn_mask.any(-1)).sum()))  # queries that see no key
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(minidcut.layers.F, "scaled_dot_product_attention", sdpa)
+    engine = Engine(target, drafter, Policy.static(0.5), batch_size=4, max_seq=256, eos_ids=[], compile=False)
+    long_prompt, short_prompt = [3 + i % 40 for i in range(120)], [5, 7, 9]
+    # row 0 frees at position ~122; three live rows keep bucket 4, so row 0 steps on inside it
+    requests = [Request(0, long_prompt, 2)] + [Request(i, short_prompt[:i], 60) for i in (1, 2, 3)]
+    pending, batch, stats = collections.deque(requests), Batch.empty(4, engine.device), Stats()
+    with torch.inference_mode():
+        while pending or batch.live:
+            engine.step(batch, pending, stats)
+    monkeypatch.undo()
+    assert len(blind) > 20 and sum(blind) == 0
+    ar = Engine(target, None, Policy.ar(), batch_size=1, max_seq=256, eos_ids=[], compile=False)
+    assert [r.output for r in requests[1:]] == [ar.generate([short_prompt[:i]], 60)[0][0] for i in (1, 2, 3)]

@@ -31,7 +31,7 @@ def test_profile_writes_a_cost_table_with_metadata(pair, capsys):
                 "wall_seconds", "target", "drafter"):
         assert key in table.meta
     assert set(table.meta["fingerprint"]) == {"device", "torch", "threads", "dtype", "drafter_dtype", "compiled", "packed",
-                                              "target_config", "drafter_config", "max_seq", "sampling"}
+                                              "target_config", "drafter_config", "max_seq", "sampling", "method"}
     for row, raw in zip(table.seconds, table.meta["raw_seconds"].values()):
         assert row[0] == raw[0] and row[1] <= row[2]  # the AR step as measured; drafting steps nondecreasing
         assert row[1] + row[2] == pytest.approx(raw[1] + raw[2])  # pooled, not clipped
