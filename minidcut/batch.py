@@ -64,11 +64,10 @@ class Batch:
         return [i for i, r in enumerate(self.requests) if r is not None]
 
     def place(self, rows: list[int], requests: list[Request]) -> None:
-        """Requests enter rows after their prefill, which stored the drafter's context features of the
-        prompt (its K/V not yet written: synced 0) and set the rows' device state (the first token as
-        the anchor, right after the prompt)."""
+        """Requests enter rows after their prefill, which wrote the drafter's context of the prompt and
+        the rows' device state (the first token as the anchor, right after the prompt)."""
         for row, r in zip(rows, requests):
-            self.requests[row], self.synced[row] = r, 0
+            self.requests[row], self.synced[row] = r, len(r.prompt)
         self.version += 1
 
     def free(self, row: int) -> None:

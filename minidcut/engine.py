@@ -407,9 +407,7 @@ class Engine:
     def prefill(self, rows: list[int], requests: list[Request], batch: Batch | None = None) -> torch.Tensor:
         """Run the prompts of `requests` into cache `rows` (eager, one padded batch), with the drafter's
         context for them; returns the first generated token of each [n]. Its host inputs go over in
-        one copy. With a batch: the requests take the rows there, each first token as its anchor, and
-        only the drafter's context features are stored: the first drafting step writes their K/V
-        (catch_up), so a run that never drafts at its batch size never pays for them."""
+        one copy. With a batch: the requests take the rows there, each first token as its anchor."""
         lengths = [len(r.prompt) for r in requests]
         layout, last = prefill_layout(rows, lengths)
         for part in (layout.row, layout.pos, layout.slot, last, [t for r in requests for t in r.prompt],
@@ -419,7 +417,7 @@ class Engine:
         layout = dataclasses.replace(layout, row=row, pos=pos, slot=slot)
         logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.taps)
         if self.drafter is not None:
-            self.drafter.add_context(taps, layout.row, layout.pos, kv=batch is None)
+            self.drafter.add_context(taps, layout.row, layout.pos)
         first = sample(logits, self.temperature, self.top_p, sample_keys(self.seed, ids, lengths))
         if batch is not None:
             batch.anchor[idx], batch.anchor_pos[idx], batch.request_ids[idx] = first, lengths, ids
