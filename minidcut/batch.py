@@ -75,6 +75,12 @@ class Batch:
         self.requests[row] = None
         self.version += 1
 
+    @property
+    def reach(self) -> int:
+        """One past the furthest live row's anchor position (what an eager step's attention span
+        follows, Engine.span)."""
+        return max(r.anchor_pos for r in self.requests if r is not None) + 1
+
     def take_ahead(self, bucket: int):
         """The draft the previous step made for this one, if no row changed hands since and the bucket
         is the same (else None); it is used once."""

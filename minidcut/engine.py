@@ -165,7 +165,7 @@ class Engine:
             self.move_rows(batch, sent.popleft())
         catchup = self.write_context(sent.popleft()) if unsynced else 0.0
         t0 = time.perf_counter()
-        reach = max(batch.requests[i].anchor_pos for i in rows) + 1  # past the live rows' anchors
+        reach = batch.reach
         if fresh:
             draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs, self.span(reach + self.block))
         K = self.budgets(b)[draft.rho_index] if drafting else 0

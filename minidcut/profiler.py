@@ -132,9 +132,8 @@ def measure_row(engine, batch, b: int) -> float:
     t0 = time.perf_counter()
     engine.catch_up(batch)  # drafting steps need the drafter's whole context
     rows = batch.live
-    reach = max(batch.requests[i].anchor_pos for i in rows) + 1
     row, samples, seen = measure_live(engine, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
-                                      batch.limits(b), rows, reach, on_step=engine.on_measure)
+                                      batch.limits(b), rows, batch.reach, on_step=engine.on_measure)
     engine.policy.table.add_row(b, row, samples)
     for rho, predicted, accepted in seen:
         engine.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
