@@ -6,14 +6,20 @@ explicit state:
 
   drafting   every step drafts. After each drafting step the predicted committed tokens per row
              (calibrated) are compared with what AR steps commit in the same time; the differences,
-             weighted by the step's share of live rows, are summed with a decay (RUN_DECAY per step).
-             When the sum is negative (after `patience` drafting steps), drafting goes off.
+             weighted by the step's share of live rows, are summed with a decay (RUN_DECAY per
+             drafting step: the sum remembers drafting steps, probes included, not AR steps). When the
+             sum is negative (after `patience` drafting steps), drafting goes off.
   off        AR steps. Every probe period one step probes.
   probing    one drafting step; if it tips the sum above zero drafting is on again, else off again.
 
+The sum never falls below -FLOOR: probes that keep losing pile up evidence, so one lucky probe does not
+turn drafting back on (each false start costs several losing drafting steps), while a lasting change
+(prompts the drafter suits) turns it on within a few probes.
+
 A probe costs a drafting step instead of an AR step, gains the drafts drafting usually gets accepted
 (a long running mean), and first writes the drafter's context of the skipped steps (its measured
-catch-up). Its period keeps that net cost under PROBE_BUDGET of the time.
+catch-up). It is priced at the dearest budget the rule may pick, and its period keeps that net cost
+under PROBE_BUDGET of the time.
 
 Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
 Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
@@ -24,7 +30,8 @@ draft either: it has nothing to compare with.
 from __future__ import annotations
 
 PROBE_BUDGET = 0.01  # the share of decode time probing may cost while drafting is off
-RUN_DECAY = 0.98  # memory of the drafting-vs-AR sum: ~50 steps (one step's acceptance is noisy)
+RUN_DECAY = 0.98  # memory of the drafting-vs-AR sum: ~50 drafting steps (one step's acceptance is noisy)
+FLOOR = 2.0  # the sum's lower bound, in tokens per row: a probe alone turns drafting on only above it
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
 
 
@@ -79,12 +86,15 @@ class SkipDrafting:
         return self.cost[(rho or self.rho_min) if drafting else 0.0]
 
     def probe_period(self) -> int:
-        """AR steps between probes, so that probes cost at most PROBE_BUDGET of the AR steps' time."""
+        """AR steps between probes, so that probes cost at most PROBE_BUDGET of the AR steps' time. A
+        probe is priced at the dearest budget the rule may pick (a measured one: unmeasured entries are
+        never picked)."""
         if not self.possible:
             return self.probe_every
         ar = self.seconds(False)
         usual = self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
-        loss = self.seconds(True) - ar * (1.0 + usual) + self.catchup  # seconds a probe loses to AR
+        dearest = max(c for r, c in self.cost.items() if r > 0 and c != float("inf"))
+        loss = dearest - ar * (1.0 + usual) + self.catchup  # seconds a probe loses to AR at most
         return max(self.probe_every, int(loss / (PROBE_BUDGET * ar)) + 1)
 
     def gain_over_ar(self, rec) -> float:
@@ -105,7 +115,6 @@ class SkipDrafting:
 
     def observe(self, rec) -> None:
         """Learn from one StepRecord of this batch size."""
-        self.margin *= RUN_DECAY
         if rec.catchup > 0:
             self.catchup = rec.catchup
         if not rec.drafted:
@@ -116,7 +125,7 @@ class SkipDrafting:
                              ACCEPTED_DECAY * self.accepted[1] + rec.n_live]
         # A step with few live rows (a batch's tail, where each keeps more of the budget) counts for
         # what it commits: its gain per row is weighted by its share of the batch's rows.
-        self.margin += self.gain_over_ar(rec) * rec.n_live / self.B
+        self.margin = max(-FLOOR, RUN_DECAY * self.margin + self.gain_over_ar(rec) * rec.n_live / self.B)
         self.drafting_steps += 1
         if self.state == "drafting" and self.margin < 0 and self.drafting_steps >= self.patience:
             self.state = "off"
