@@ -64,7 +64,8 @@ def one_run(args, policy: str, prompts: Path, table: Path, B: int, work: Path) -
         raise cli.UserError(f"{policy} at B = {B} failed: {done.stderr.strip().splitlines()[-1:]}")
     s = json.loads(stats.read_text())
     return {"policy": policy, "wall_seconds": wall, "tokens_per_second": s["tokens_per_second"], "tau": s["tau"],
-            "profile_seconds": s["profile_seconds"], "rho_histogram": s["rho_histogram"], "steps": s["steps"]}
+            "profile_seconds": s["profile_seconds"], "rho_histogram": s["rho_histogram"], "steps": s["steps"],
+            "drafting_histogram": s["drafting_histogram"]}
 
 
 def run(args, console: Console) -> int:
