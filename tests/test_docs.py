@@ -2,6 +2,7 @@
 resolves inside the repository, nothing cites a file outside it, and every example runs."""
 
 import ast
+import functools
 import json
 import re
 import subprocess
@@ -53,12 +54,23 @@ def headings(path: Path) -> set[str]:
     return {line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")}
 
 
+@functools.cache
+def markdown_names() -> set[str]:
+    """File names of the repository's markdown files (git's view)."""
+    files = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True).stdout
+    return {Path(f).name for f in files.split()}
+
+
 def broken_citations(text: str) -> list[str]:
     """Citations `docs/method.md, "Title"` whose title is not a heading of docs/method.md, and
-    references to things outside the repository."""
+    references to things outside the repository: a path that climbs out of it (../), a markdown file
+    the repository does not have, a numbered section (of a document it does not carry)."""
     known = headings(ROOT / "docs" / "method.md")
     bad = [f'"{t}"' for t in CITE.findall(text) if t not in known]
-    bad += re.findall(r"PAPER\.md|\.\./shared|[Ss]ection \d+", text)
+    ours = markdown_names()
+    bad += re.findall(r"(?<![\w.])\.\./[\w./-]+", text)
+    bad += [m for m in re.findall(r"\b[\w-]+\.md\b", text) if m not in ours]
+    bad += re.findall(r"[Ss]ection \d+", text)
     return bad
 
 
@@ -93,7 +105,8 @@ def test_every_citation_and_path_in_code_and_docs_resolves_inside_the_repository
 def test_the_citation_check_fails_on_a_missing_section_a_missing_file_and_an_outside_file():
     assert broken_citations('see docs/method.md, "Choosing rho"') == []
     assert broken_citations('see docs/method.md, "Choosing the rho"') == ['"Choosing the rho"']
-    assert broken_citations("as PAPER.md section 3 says") == ["PAPER.md", "section 3"]
+    assert broken_citations("as NOTES.md section 3 says") == ["NOTES.md", "section 3"]
+    assert broken_citations("see ../outside/spec.md and docs/method.md") == ["../outside/spec.md", "spec.md"]
     assert missing_paths("see minidcut/engine.py and docs/nothing.md") == ["docs/nothing.md"]
 
 
