@@ -108,6 +108,15 @@ class Engine:
         static shape per graph)."""
         return None if self.compile else min(self.max_seq, -(-reach // SPAN_STEP) * SPAN_STEP)
 
+    def draft_span(self, reach: int) -> int | None:
+        """The span of a draft from anchors before `reach`: its block lies past each anchor."""
+        return self.span(reach + self.block)
+
+    def verify_span(self, reach: int, K: int) -> int | None:
+        """The span of a verification with K kept drafts at most, anchors before `reach`: each row
+        verifies its anchor and at most min(D, K) drafts after it."""
+        return self.span(reach + min(self.block, K + 1) - 1)
+
     def budgets(self, b: int) -> list[int]:
         """K(rho) for every rho of the policy's grid at bucket b."""
         return [budget(r, b, self.D) for r in self.policy.rhos] if self.drafter is not None else [0]
@@ -167,7 +176,7 @@ class Engine:
         t0 = time.perf_counter()
         reach = batch.reach
         if fresh:
-            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs, self.span(reach + self.block))
+            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs, self.draft_span(reach))
         K = self.budgets(b)[draft.rho_index] if drafting else 0
         t1 = time.perf_counter()
         commit, n_commit, kept = self.verify(batch, b, draft, K, reach)
@@ -247,7 +256,7 @@ class Engine:
         # a step that did not only stores the features (see catch_up).
         fn = self.graph("verify", b, K, kv=draft is not None or self.drafter is None)
         commit, n_commit, anchor, anchor_pos = fn(batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
-                                                  draft.drafts if draft else None, keep_len, self.span(reach + Q - 1))
+                                                  draft.drafts if draft else None, keep_len, self.verify_span(reach, K))
         batch.anchor[:b], batch.anchor_pos[:b] = anchor, anchor_pos
         kept = keep_len if K else torch.zeros_like(n_commit)
         host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1)  # [b, block + 2]
@@ -255,7 +264,7 @@ class Engine:
             inputs = self.staging.fixed_inputs(b + 2 + len(self.policy.rhos))
             inputs[:b] = (inputs[:b] - n_commit).clamp(min=0)  # in place: the inputs of the latest draft
             out = self.graph("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs,
-                                         self.span(reach + Q + self.block))  # anchors moved <= Q on
+                                         self.draft_span(reach + Q))  # anchors moved <= Q on
             host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
         host = host.cpu()  # the step's one copy to the host
         if draft is not None:

@@ -53,7 +53,7 @@ def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, r
     anchors and positions are not touched."""
     b, dev = anchor.shape[0], anchor.device
     K = engine.budgets(b)[ri]
-    span = engine.span(reach + min(engine.block, K + 1) - 1)
+    span = engine.verify_span(reach, K)
     plan = StepPlan(True, [1.0] * len(engine.policy.rhos), 1.0)  # costs do not change the work
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -62,7 +62,7 @@ def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, r
     if K == 0:
         commit, n_commit = engine.graph("verify", b, 0, kv=False)(anchor, anchor_pos, ids, None, None, span)[:2]
     else:
-        draft = engine.draft(anchor, anchor_pos, limit, n_live, plan, engine.span(reach + engine.block))  # syncs on rho*
+        draft = engine.draft(anchor, anchor_pos, limit, n_live, plan, engine.draft_span(reach))  # syncs on rho*
         commit, n_commit = engine.graph("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri],
                                                         span)[:2]
     host = torch.cat([commit, n_commit[:, None]], dim=1).cpu()
@@ -107,7 +107,7 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     if not drafting:
         return row, samples, seen
     gain = engine.draft(anchor, anchor_pos, limit, n_live, StepPlan(True, [1.0] * len(rhos), 1.0),
-                        engine.span(reach + engine.block)).gain.tolist()
+                        engine.draft_span(reach)).gain.tolist()
     scale = torch.tensor(policy.calibration.gain_scale)
     rate = [float(policy.committed(torch.tensor(g), torch.tensor(float(n_live)), scale)) for g in gain]
     best = max((rate[ri] / row[ri] for ri in range(len(rhos)) if Ks[ri] == 0), default=0.0)
