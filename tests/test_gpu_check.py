@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from rich.console import Console
 
 from minidcut.config import load_drafter_config, parse_model_config
 from minidcut.model import prefill_layout
@@ -147,6 +148,26 @@ def test_the_tool_runs_end_to_end_on_tiny_cpu_models_and_exits_0(tmp_path, capsy
     assert set(report) == REPORT_KEYS and report["tests"] is None and list(report["models"]) == ["dense"]
     assert {r["batch_size"] for r in report["models"]["dense"]["bench"]} == {1}
     assert "wrote" in capsys.readouterr().out
+
+
+def test_a_run_killed_during_a_later_part_leaves_the_report_of_the_parts_before(tmp_path, monkeypatch):
+    """The report is written after every part: a device command stopped at its time limit keeps them."""
+    out = tmp_path / "report.json"
+    real = gpu_check.run_model
+
+    def killed_at_moe(kind, *args, **kw):
+        if kind == "moe":
+            raise KeyboardInterrupt
+        return real(kind, *args, **kw)
+
+    monkeypatch.setattr(gpu_check, "run_model", killed_at_moe)
+    args = gpu_check.parse_args(TINY_ARGS + ["--batch-sizes", "1", "--out", str(out)])
+    args.argv = []
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.run(args, Console())
+    report = json.loads(out.read_text())
+    assert list(report["models"]) == ["dense"] and report["models"]["dense"]["bench"]
+    assert not (tmp_path / "report.json.tmp").exists()
 
 
 # ---- the pytest part ------------------------------------------------------------------------------

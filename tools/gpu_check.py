@@ -579,8 +579,12 @@ def summary_lines(report: dict) -> list[str]:
 
 
 def write_report(report: dict, path) -> Path:
+    """Write atomically (a temporary file renamed over `path`): a run killed mid-write keeps the last
+    complete report."""
     path = Path(path)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, path)
     return path
 
 
@@ -603,19 +607,25 @@ def run(args, console: Console) -> int:
     torch.manual_seed(0)
     env = environment(s["device"])
     wall, tests, models = {}, None, {}
+
+    def save():  # after every part, so a run killed from outside keeps what it finished
+        wall["total"] = time.perf_counter() - start
+        report = assemble_report(s, env, tests, models, wall, args.argv)
+        return report, write_report(report, args.out)
+
     if s["run_tests"]:
         console.print(f"running python {' '.join(pytest_command(Path('junit.xml'))[1:])}")
         tests = run_cuda_tests(min(s["tests_s"], deadline - time.perf_counter()))
         wall["tests"] = tests["seconds"]
+        save()
     for i, kind in enumerate(s["models"]):
         t0 = time.perf_counter()
         share = (deadline - t0) / (len(s["models"]) - i)  # what is left, split between the models left
         console.print(f"{kind}: building, profiling, benching (until {share:.0f} s from now)")
         models[kind] = run_model(kind, s, t0 + share, lambda msg, kind=kind: console.print(f"  {kind}: {msg}"))
         wall[kind] = time.perf_counter() - t0
-    wall["total"] = time.perf_counter() - start
-    report = assemble_report(s, env, tests, models, wall, args.argv)
-    path = write_report(report, args.out)
+        save()
+    report, path = save()
     for line in summary_lines(report):
         console.print(line, markup=False, highlight=False)
     console.print(f"wrote {path}")
