@@ -122,6 +122,17 @@ def test_without_a_cost_table_the_fixed_policies_are_still_benched(tmp_path, mon
     assert model["bench_info"]["dcut_without_table_row"] == [1]
 
 
+def test_past_the_deadline_a_batch_size_starts_no_more_warm_passes_and_says_which_it_skipped(tmp_path, monkeypatch):
+    s = tiny_settings(tmp_path, "--batch-sizes", "1,2")
+    clock = iter(range(10 ** 6))
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: float(next(clock)))  # each call is 1 s later
+    model = gpu_check.run_model("dense", s, deadline=40.0, log=lambda msg: None)
+    info = model["bench_info"]
+    benched = {(r["batch_size"], r["policy"]) for r in model["bench"]}
+    skipped = {(int(B), p) for B, specs in info["skipped_policies"].items() for p in specs}
+    assert skipped and not benched & skipped and not info["errors"]
+
+
 def test_a_part_that_fails_is_reported_and_the_other_parts_still_run(tmp_path, monkeypatch):
     s = tiny_settings(tmp_path, "--batch-sizes", "1")
 

@@ -324,11 +324,12 @@ def bench_records(B: int, spec: str, runs: list[dict], warm: dict) -> dict:
 
 
 def bench(target, drafter, table: CostTable, batch_sizes: list[int], s: dict, deadline: float,
-          log) -> tuple[list, dict]:
+          log, on_batch=lambda records: None) -> tuple[list, dict]:
     """ar, full, static:0.5 and dcut side by side at each batch size (one wave of B random prompts, the
     policies interleaved, a first untimed pass compiling and recording), as the deadline allows; dcut
     only where the cost table has a row. The engines have the profiler's cache shape (batch_size
-    max(batch_sizes), the same max_seq), so they share the cache tensors and can reuse its graphs."""
+    max(batch_sizes), the same max_seq), so they share the cache tensors and can reuse its graphs.
+    on_batch(records so far) after each batch size."""
     max_seq = s["context_len"] + drafter.block_size + 8  # what profiler.measure gives its engine
     B_max = max(s["batch_sizes"])  # the profiler engine's rows
     prompts = random_prompts(max(batch_sizes), s["prompt_len"], target.cfg.vocab_size)
@@ -340,7 +341,8 @@ def bench(target, drafter, table: CostTable, batch_sizes: list[int], s: dict, de
                                    max_seq=max_seq, eos_ids=[], compile=s["compile"])
         except Exception as e:  # noqa: BLE001 (e.g. dcut without a single table row)
             errors[spec] = error_record(e)
-    records, info = [], {"skipped_batch_sizes": [], "errors": errors, "dcut_without_table_row": []}
+    records, info = [], {"skipped_batch_sizes": [], "skipped_policies": {}, "errors": errors,
+                         "dcut_without_table_row": []}
     t_start, c_start = time.perf_counter(), compile_seconds()
     last = 0.0
     for B in batch_sizes:
@@ -352,11 +354,16 @@ def bench(target, drafter, table: CostTable, batch_sizes: list[int], s: dict, de
         if B not in table.batch_sizes:
             info["dcut_without_table_row"].append(B)
         specs = [p for p in POLICIES if p in engines and p not in errors and (p != "dcut" or B in table.batch_sizes)]
-        records += bench_batch_size({p: engines[p] for p in specs}, B, prompts[:B], s, errors)
+        done = bench_batch_size({p: engines[p] for p in specs}, B, prompts[:B], s, errors, deadline)
+        records += done
+        missing = [p for p in specs if p not in errors and p not in {r["policy"] for r in done}]
+        if missing:  # past the deadline before their warm pass
+            info["skipped_policies"][B] = missing
         last = time.perf_counter() - t0
-    ar = {r["batch_size"]: r["tokens_per_second"] for r in records if r["policy"] == "ar"}
-    for r in records:
-        r["speedup_vs_ar"] = r["tokens_per_second"] / ar[r["batch_size"]] if ar.get(r["batch_size"]) else None
+        ar = {r["batch_size"]: r["tokens_per_second"] for r in records if r["policy"] == "ar"}
+        for r in records:
+            r["speedup_vs_ar"] = r["tokens_per_second"] / ar[r["batch_size"]] if ar.get(r["batch_size"]) else None
+        on_batch(records)
     info.update(seconds=time.perf_counter() - t_start, compile_seconds=compile_seconds() - c_start)
     return records, info
 
@@ -379,10 +386,12 @@ def count_syncs(device):
             out += [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
 
 
-def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, errors: dict) -> list[dict]:
+def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, errors: dict,
+                     deadline: float = float("inf")) -> list[dict]:
     """Every engine at batch size B: a warm pass (compiles and records its graphs), then bench_repeats
     timed passes, the policies taking turns. new_graphs: graph keys used for the first time (a timed pass
-    that needed one measured a compile). A policy that fails is recorded in errors[spec] and left out."""
+    that needed one measured a compile). A policy that fails is recorded in errors[spec] and left out.
+    Past the deadline no engine starts its warm pass and no round after the first timed one starts."""
     warm, runs = {}, {}
 
     def one_pass(spec):
@@ -396,6 +405,8 @@ def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, e
                     syncs_per_step=len(syncs) / max(stats.steps, 1) if syncs is not None else None)
 
     for spec in engines:
+        if time.perf_counter() > deadline:
+            break
         t0, c0 = time.perf_counter(), compile_seconds()
         try:
             first = one_pass(spec)
@@ -405,7 +416,9 @@ def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, e
         warm[spec] = {"warmup_seconds": time.perf_counter() - t0, "compile_seconds": compile_seconds() - c0,
                       "new_graphs": first["new_graphs"]}
         runs[spec] = []
-    for _ in range(s["bench_repeats"]):
+    for i in range(s["bench_repeats"]):
+        if i and time.perf_counter() > deadline:
+            break
         for spec in list(runs):
             try:
                 runs[spec].append(one_pass(spec))
@@ -415,9 +428,10 @@ def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, e
     return [bench_records(B, spec, r, warm[spec]) for spec, r in runs.items() if r]
 
 
-def run_model(kind: str, s: dict, deadline: float, log) -> dict:
+def run_model(kind: str, s: dict, deadline: float, log, saved=lambda out: None) -> dict:
     """Build one target and drafter, profile its cost table, bench the policies: every step's seconds,
-    and the error of a step that failed, in one dict (a failure never stops the run)."""
+    and the error of a step that failed, in one dict (a failure never stops the run). saved(the dict so
+    far) after the cost table and after each batch size's bench."""
     tiny = s["mode"] == "tiny"
     tcfg = target_config(kind, None if tiny else s["layers"], tiny)
     out = {"target_config": tcfg, "drafter_config": drafter_config(tcfg),
@@ -425,7 +439,7 @@ def run_model(kind: str, s: dict, deadline: float, log) -> dict:
            "params": None, "build_seconds": None, "cost_table": None, "profile": None, "bench": [],
            "bench_info": None, "summary": None, "error": None}
     try:
-        measure_model(out, s, deadline, log)
+        measure_model(out, s, deadline, log, saved)
     except Exception as e:  # noqa: BLE001 (e.g. out of memory while building)
         out["error"] = error_record(e)
     try:
@@ -435,7 +449,7 @@ def run_model(kind: str, s: dict, deadline: float, log) -> dict:
     return out
 
 
-def measure_model(out: dict, s: dict, deadline: float, log) -> None:
+def measure_model(out: dict, s: dict, deadline: float, log, saved) -> None:
     """run_model's work on `out`: build, then the cost table (60 % of the time left), then the bench."""
     device, dtype = torch.device(s["device"]), getattr(torch, s["dtype"])
     t0 = time.perf_counter()
@@ -446,7 +460,13 @@ def measure_model(out: dict, s: dict, deadline: float, log) -> None:
     budget = deadline - time.perf_counter()
     table, out["profile"] = profile_table(target, drafter, s["batch_sizes"], s, time.perf_counter() + 0.6 * budget, log)
     out["cost_table"] = table.to_json() if table.batch_sizes else None
-    out["bench"], out["bench_info"] = bench(target, drafter, table, s["batch_sizes"], s, deadline, log)
+    saved(out)
+
+    def on_batch(records):
+        out["bench"] = records
+        saved(out)
+
+    out["bench"], out["bench_info"] = bench(target, drafter, table, s["batch_sizes"], s, deadline, log, on_batch)
     out["summary"] = summarize(out["bench"])
 
 
@@ -574,6 +594,8 @@ def summary_lines(report: dict) -> list[str]:
         skipped = sorted(set(prof.get("skipped_batch_sizes", []) + info.get("skipped_batch_sizes", [])))
         if skipped:
             lines.append(f"  skipped for time: B = {', '.join(map(str, skipped))}")
+        for B, specs in info.get("skipped_policies", {}).items():
+            lines.append(f"  skipped for time at B={B}: {', '.join(specs)}")
     lines.append("wall: " + ", ".join(f"{k} {v:.0f} s" for k, v in report["wall_seconds"].items()))
     return lines
 
@@ -622,7 +644,8 @@ def run(args, console: Console) -> int:
         t0 = time.perf_counter()
         share = (deadline - t0) / (len(s["models"]) - i)  # what is left, split between the models left
         console.print(f"{kind}: building, profiling, benching (until {share:.0f} s from now)")
-        models[kind] = run_model(kind, s, t0 + share, lambda msg, kind=kind: console.print(f"  {kind}: {msg}"))
+        models[kind] = run_model(kind, s, t0 + share, lambda msg, kind=kind: console.print(f"  {kind}: {msg}"),
+                                 lambda out, kind=kind: (models.__setitem__(kind, out), save()))
         wall[kind] = time.perf_counter() - t0
         save()
     report, path = save()
