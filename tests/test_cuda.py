@@ -21,6 +21,10 @@ does, together with the MoE host-sync test of test_moe.py).
 bf16 comparisons allow near-ties (check_equal_up_to_near_ties) and route MoE tokens to every expert;
 fp32 comparisons are exact.
 
+On the CPU: MINIDCUT_CUDA_LANE_ON_CPU=1 runs these tests eagerly on the CPU, all but the one that
+counts CUDA graph replays (test_cuda_lane_on_cpu.py does, in the normal suite), so a changed interface
+fails here before a GPU session finds it (one did: a GPU run found a stale Engine.draft call).
+
 Budget: about 40 compiled graphs of 2- to 4-layer models at batch buckets 1 and 2, plus the drafter
 training; about 3 minutes on one H100.
 """
@@ -28,6 +32,7 @@ training; about 3 minutes on one H100.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -43,11 +48,13 @@ from minidcut.runtime import setup
 from test_engine_lossless import AGREE_MAX_NEW, agree_prompts, agreeing_pair  # noqa: F401 (a fixture)
 from tiny import BASE, make_drafter, make_model
 
+ON_CPU = os.environ.get("MINIDCUT_CUDA_LANE_ON_CPU") == "1"  # the interface check (module docstring)
 pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+              pytest.mark.skipif(not ON_CPU and not torch.cuda.is_available(), reason="needs a CUDA device")]
+cuda_only = pytest.mark.skipif(ON_CPU, reason="counts CUDA graph replays")
 
-DEVICE = "cuda"
-COMPILE = True  # the engines under test compile (CUDA graphs); references are eager
+DEVICE = "cpu" if ON_CPU else "cuda"
+COMPILE = not ON_CPU  # the engines under test compile (CUDA graphs); references are eager
 B = 2  # rows: batch buckets 1 and 2
 MAX_SEQ = 128  # every engine on one target has the same cache shape, so they share the cache tensors
 N_PROMPTS = 7  # more prompts than rows; odd, so AR runs the last request alone
@@ -237,6 +244,7 @@ def test_dcut_after_warmup_never_recompiles_and_commits_the_ar_tokens(gpu_pair, 
     assert stats.tau > 1.5
 
 
+@cuda_only
 def test_steady_state_dcut_steps_replay_a_cuda_graph_per_compiled_call_and_skip_none(gpu_pair, dcut_engine,
                                                                                       monkeypatch):
     """A first run records whatever warmup() left unrecorded; during the second, every step replays
