@@ -1,8 +1,8 @@
 """One command for a machine with a CUDA GPU: the CUDA tests, then compiled cost tables and a
 side-by-side bench on random-weight models of real shapes, in one JSON report.
 
-    python tools/gpu_check.py --out gpu_report.json     # at most ~9.5 minutes on one H100 / H200
-    python tools/gpu_check.py --quick                   # at most ~6 minutes
+    python tools/gpu_check.py --out gpu_report.json     # at most ~30 minutes (B = 1, 16, 64)
+    python tools/gpu_check.py --quick                   # at most ~13 minutes (B = 16)
 
 1. tests   `python -m pytest -q -m cuda` in a subprocess (tests/test_cuda.py and test_moe.py's CUDA
            test): pass / fail / skip counts and the failures.
@@ -14,8 +14,8 @@ side-by-side bench on random-weight models of real shapes, in one JSON report.
            (MLP 12288 for dense as Qwen3-8B-DFlash-b16, 6144 for moe: the 30B-A3B config's dense
            width), block 16, mask 151669, taps by z-lab's default formula. The targets are cut to
            --layers layers (default 8, the fewest with 5 distinct taps): each (batch bucket, K) compiles
-           its own graph, ~50 per model here, and a deeper model compiles each one slower. The
-           drafters keep all 5 layers.
+           its own graph, ~6 per batch size (AR, the draft, a verify graph per K), and a deeper model
+           compiles each one slower. The drafters keep all 5 layers.
 3. per model: a compiled cost table (minidcut.profiler) at each batch size, then ar, full, static:0.5
            and dcut side by side at each batch size on random prompts, interleaved as minidcut.bench.
 4. one JSON report (device, versions, tests, cost tables, tokens/s per policy and batch size, graph
@@ -27,11 +27,13 @@ scaled down by sqrt(2 L), unit norms), logits are ~N(0, 1) over 151936 tokens, s
 confidences and its acceptance are near zero. The timings, the cost tables and whether dcut stops
 drafting where drafting does not pay are what this measures, not speedups of a real pair.
 
-Time: one deadline for the whole run (--budget-s). Planned seconds, full: tests 200, dense 175, moe 175,
-slack 20 (570); --quick: 200, 60, 60, 20 (340). A model's cost table gets 60 % of its share, the bench the
-rest. The pytest subprocess is killed at its limit; a model part stops at the first step past its time
-(a graph being compiled then finishes first), keeps what it measured and reports what it skipped.
-These plans assume a few seconds per compiled graph: nobody has timed it on a GPU yet.
+Time: one deadline for the whole run (--budget-s). Planned seconds, full: tests 240, dense 750, moe 750,
+slack 20 (1760); --quick: 240, 250, 250, 20 (760). A model's cost table gets 60 % of its share, the bench
+the rest. The pytest subprocess is killed at its limit; a model part stops at the first step past its
+time (a graph being compiled then finishes first), keeps what it measured and reports what it skipped.
+The report is written after every part, so a run killed from outside keeps the parts it finished.
+The plans come from one H200 run (torch 2.11, docs/bench/README.md): the tests took 195 s, and one
+batch size of the dense model's cost table 138 s, 128 s of it compiling its 6 graphs (~5-40 s each).
 
 Exit status: 0 when every test passed and every part ran, 1 otherwise, 2 for a usage error (no CUDA
 device, bad arguments).
@@ -98,10 +100,10 @@ REAL = {"dense": DENSE, "moe": MOE}
 
 # Per mode: what runs and the planned seconds of each part (the deadline is --budget-s, the sum).
 MODES = {
-    "full": dict(batch_sizes=[1, 4, 16, 32, 64], layers=8, context_len=128, prompt_len=64, new_tokens=64,
-                 profile_repeats=10, profile_warmup=2, bench_repeats=2, tests_s=200, models_s=350),
-    "quick": dict(batch_sizes=[1, 16], layers=8, context_len=64, prompt_len=32, new_tokens=32,
-                  profile_repeats=5, profile_warmup=1, bench_repeats=1, tests_s=200, models_s=120),
+    "full": dict(batch_sizes=[1, 16, 64], layers=8, context_len=128, prompt_len=64, new_tokens=64,
+                 profile_repeats=10, profile_warmup=2, bench_repeats=2, tests_s=240, models_s=1500),
+    "quick": dict(batch_sizes=[16], layers=8, context_len=64, prompt_len=32, new_tokens=32,
+                  profile_repeats=5, profile_warmup=1, bench_repeats=1, tests_s=240, models_s=500),
     "tiny": dict(batch_sizes=[1, 2], layers=None, context_len=16, prompt_len=8, new_tokens=8,
                  profile_repeats=2, profile_warmup=1, bench_repeats=1, tests_s=120, models_s=120),
 }
@@ -116,14 +118,14 @@ class OutOfTime(Exception):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python tools/gpu_check.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu_report.json", help="the JSON report (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="batch sizes 1,16, shorter runs (at most ~6 minutes)")
-    p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,4,16,32,64; --quick: 1,16)")
+    p.add_argument("--quick", action="store_true", help="batch size 16 only, shorter runs (at most ~13 minutes)")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,16,64; --quick: 16)")
     p.add_argument("--layers", default=None,
                    help="target layers: a number, or 'full' for 36 (dense) and 48 (moe) (default: 8)")
     p.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe (default: %(default)s)")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m cuda")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="deadline of the whole run in seconds (default: the mode's plan, 570 / 340)")
+                   help="deadline of the whole run in seconds (default: the mode's plan, 1760 / 760)")
     # For the CPU test of this tool only: tiny models, eager, on the CPU.
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
