@@ -36,17 +36,18 @@ from minidcut import cli  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default=str(cli.DEFAULT_TARGET))
-    p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER))
-    p.add_argument("--prompts", default=str(cli.MODELS / "prompts_heldout.jsonl"))
+    p.add_argument("--target", default=str(cli.DEFAULT_TARGET), help="target directory (default: the demo target)")
+    p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="drafter directory (default: the demo drafter)")
+    p.add_argument("--prompts", default=str(cli.MODELS / "prompts_heldout.jsonl"),
+                   help="JSONL prompt file, as generate's --prompts (default: the held-out code prompts)")
     p.add_argument("--chat", action="store_true", help="pass --chat to generate")
-    p.add_argument("--batch-sizes", default="1,4,16,32,64")
+    p.add_argument("--batch-sizes", default="1,4,16,32,64", help="comma-separated (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 8))")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
     p.add_argument("--runs", type=int, default=3, help="runs of each policy per sequence (default: %(default)s)")
     p.add_argument("--sequences", type=int, default=2,
                    help="sequences per batch size, each from an empty cost table (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="passed to generate (default: generate's own)")
     p.add_argument("--output", default=None, help="JSON with every run")
     return p.parse_args(argv)
 
