@@ -110,8 +110,7 @@ class Policy:
         if not self.can_skip or self.costs(bucket) is None:
             return None
         if bucket not in self.skipping:
-            self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.calibration,
-                                                 self.depth, **self._skip_kw)
+            self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.depth, **self._skip_kw)
         return self.skipping[bucket]
 
     def plan(self, bucket: int) -> StepPlan:

@@ -4,8 +4,8 @@ The paper's rule picks how much to verify once a block is drafted; at a large ba
 can lose, because the draft itself costs time. This controller decides apart from the rule, with an
 explicit state:
 
-  drafting   every step drafts. After each drafting step the predicted committed tokens per row
-             (calibrated) are compared with what AR steps commit in the same time; the differences,
+  drafting   every step drafts. After each drafting step the tokens it committed per row are
+             compared with what AR steps commit in the same time; the differences,
              weighted by the step's share of live rows, are summed with a decay (RUN_DECAY per
              drafting step: the sum remembers drafting steps, probes included, not AR steps). When the
              sum is negative (after `patience` drafting steps), drafting goes off.
@@ -39,9 +39,8 @@ STATE = ("state", "margin", "drafting_steps", "skipped", "catchup", "accepted") 
 
 
 class SkipDrafting:
-    def __init__(self, B: int, rhos: list[float], table, calibration, D: int = 15, patience: int = 4,
-                 probe_every: int = 16):
-        self.B, self.rhos, self.D, self.table, self.calibration = B, rhos, D, table, calibration
+    def __init__(self, B: int, rhos: list[float], table, D: int = 15, patience: int = 4, probe_every: int = 16):
+        self.B, self.rhos, self.D, self.table = B, rhos, D, table
         self.patience, self.probe_every = patience, probe_every
         self.rho_min = min(r for r in rhos if r > 0)
         self.state = "drafting" if self.possible else "off"
@@ -98,11 +97,11 @@ class SkipDrafting:
         return max(self.probe_every, int(loss / (PROBE_BUDGET * ar)) + 1)
 
     def gain_over_ar(self, rec) -> float:
-        """Tokens per live row a drafting step is predicted (calibrated) to commit beyond what AR steps
-        commit in the same time: 1 + gain_scale * predicted / n_live - its seconds / an AR step's."""
-        kept = rec.rho > 0
-        value = 1.0 + self.calibration.gain_scale * (rec.predicted if kept else 0.0) / max(rec.n_live, 1)
-        return value - self.seconds(True, rec.rho if kept else 0.0) / self.seconds(False)
+        """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
+        1 + accepted / n_live - its seconds / an AR step's. What the step realized, not what it was
+        predicted to: the rule picks the rho whose prediction is highest, so the picked prediction runs
+        high, most where drafting is near break-even (docs/method.md, "Skipping drafting")."""
+        return 1.0 + rec.accepted / max(rec.n_live, 1) - self.seconds(True, rec.rho) / self.seconds(False)
 
     def draft_now(self) -> bool:
         if not self.possible:

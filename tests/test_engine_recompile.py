@@ -24,8 +24,8 @@ from tiny import BASE, make_drafter, make_model
 
 B = 2
 GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
-LENGTHS = (5, 17, 9, 30, 3, 12)  # 6 prompts at B = 2: rows are refilled twice
-NEW_TOKENS = 80  # ~6 * 80 / 2 > 200 steps
+LENGTHS = (5, 17, 9, 30, 3, 12, 21)  # 7 prompts at B = 2: rows are refilled, the last request runs alone
+NEW_TOKENS = 80  # ~7 * 80 / 2 > 200 steps
 MAX_SEQ = 160
 
 

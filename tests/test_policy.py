@@ -28,9 +28,9 @@ def flat_table():
     return CostTable([16, 64], RHOS, [[1.0, 1.10, 1.12, 1.14, 1.16], [1.0, 1.06, 1.08, 1.09, 1.14]])
 
 
-def skip(table, B, calibrate=False, **kw):
-    """A skip controller of batch size B over the table's row, with its own calibration."""
-    return SkipDrafting(B, RHOS, table, Calibration(enabled=calibrate), **kw)
+def skip(table, B, **kw):
+    """A skip controller of batch size B over the table's row."""
+    return SkipDrafting(B, RHOS, table, **kw)
 
 
 def drafting(B, rho, predicted, accepted=None, n_live=None, seconds=0.0, catchup=0.0):
@@ -176,8 +176,7 @@ def test_a_drafting_step_that_kept_nothing_refines_no_entry_and_nocal_refines_no
 def test_skip_drafting_switches_off_after_patience_and_reprobes():
     # B = 16: a drafting step costs 1.01-1.04 AR steps, so a probe that keeps nothing loses 0.04 AR steps
     # at most (priced at the dearest budget): the probe period is 0.04 / PROBE_BUDGET + 1 = 5 steps.
-    s = skip(CostTable([16], RHOS, [[1.0, 1.01, 1.02, 1.03, 1.04]]), 16, calibrate=True, patience=3,
-             probe_every=5)
+    s = skip(CostTable([16], RHOS, [[1.0, 1.01, 1.02, 1.03, 1.04]]), 16, patience=3, probe_every=5)
     drafted = []
     for _ in range(23):  # rho* = 0 (nothing kept) whenever it drafts
         d = s.draft_now()
@@ -191,7 +190,7 @@ def test_skip_drafting_switches_off_after_patience_and_reprobes():
 
 def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying():
     """B = 16, steep table: a drafting step at rho = 0.25 costs 1.6 AR steps. Two steps that kept nothing
-    lose 0.6 AR-step tokens per row each; a probe that is predicted to commit 1 + 40 / 16 = 3.5 tokens
+    lose 0.6 AR-step tokens per row each; a probe that commits 1 + 40 / 16 = 3.5 tokens
     per row (1.9 more than AR steps in its time) outweighs them: drafting is back on. A probe that
     barely pays (1 + 12 / 16 = 1.75, +0.15) does not outweigh them."""
     def after_probe(predicted):
@@ -243,7 +242,7 @@ def test_a_probes_catch_up_of_the_drafters_context_makes_probes_rarer():
 def test_losing_probes_pile_up_so_one_lucky_probe_does_not_turn_drafting_on():
     """B = 16, steep table: rho = 0.25 costs 1.6 AR steps. Drafting went off and ten probes since each
     committed 1.25 tokens a row (0.35 fewer than AR steps in their time): the ~200 AR steps between
-    probes do not wipe that out, so a probe predicted to commit 2.5 tokens a row (+0.9) leaves drafting
+    probes do not wipe that out, so a probe that commits 2.5 tokens a row (+0.9) leaves drafting
     off. Such probes in a row (the prompts changed) turn it on at the third: the sum is bounded below
     by FLOOR."""
     s = skip(steep_table(), 16, patience=2)
@@ -301,12 +300,12 @@ def test_probes_are_priced_on_what_drafting_usually_gets_not_on_the_last_hard_st
     assert steps + 1 == s.probe_every  # the probe is step probe_every after switching off
 
 
-def test_drafting_switches_off_when_drafting_steps_are_predicted_to_lose_to_ar_steps_on_average():
+def test_drafting_switches_off_when_drafting_steps_lose_to_ar_steps_on_average():
     """B = 16, steep table: rho = 0.5 costs 2.2 AR steps, so a step pays only above 1.2 * 16 = 19.2
-    predicted accepted drafts (calibrated). One acceptance is noisy: the running mean over recent
+    accepted drafts. One acceptance is noisy: the running mean over recent
     drafting steps decides, so a short dip does not switch drafting off and a lasting one does."""
     s = skip(steep_table(), 16, patience=3)
-    for _ in range(10):  # 30 predicted accepted drafts per step: drafting pays, stays on
+    for _ in range(10):  # 30 accepted drafts per step: drafting pays, stays on
         assert s.draft_now()
         s.observe(drafting(16, 0.5, 30.0))
     assert s.gain_over_ar(drafting(16, 0.5, 30.0)) > 0 > s.gain_over_ar(drafting(16, 0.5, 10.0))
@@ -323,8 +322,24 @@ def test_drafting_switches_off_when_drafting_steps_are_predicted_to_lose_to_ar_s
     assert not q.draft_now()
 
 
+def test_the_decision_counts_what_drafting_steps_committed_not_what_they_were_predicted_to():
+    """B = 16, steep table: rho = 0.5 pays above 19.2 accepted drafts a step. Steps predicted to get 30
+    (the rule picks the rho whose prediction is highest, so the pick's prediction runs high) that get 10
+    switch drafting off; steps predicted at 10 that get 30 keep it on."""
+    over = skip(steep_table(), 16, patience=3)
+    for _ in range(10):
+        if over.draft_now():
+            over.observe(drafting(16, 0.5, 30.0, accepted=10))
+    assert over.state == "off"
+    under = skip(steep_table(), 16, patience=3)
+    for _ in range(10):
+        assert under.draft_now()
+        under.observe(drafting(16, 0.5, 10.0, accepted=30))
+    assert under.state == "drafting"
+
+
 def test_noisy_acceptance_that_pays_on_average_keeps_drafting_on():
-    """B = 16, rho = 0.5 pays above 19.2 predicted accepted drafts. A stream of one step at 80 and four
+    """B = 16, rho = 0.5 pays above 19.2 accepted drafts. A stream of one step at 80 and four
     at 5 (mean 20) pays on average although four steps in five lose: drafting stays on. The same
     stream shifted down (one at 60, four at 5: mean 16) loses on average: drafting goes off."""
     def drafted_share(high):
@@ -333,7 +348,7 @@ def test_noisy_acceptance_that_pays_on_average_keeps_drafting_on():
         for i in range(200):
             if s.draft_now():
                 drafted += 1
-                s.observe(drafting(16, 0.5, high if i % 5 == 0 else 5.0, accepted=0))
+                s.observe(drafting(16, 0.5, high if i % 5 == 0 else 5.0))
             else:
                 s.observe(ar_step(16))
         return drafted / 200
