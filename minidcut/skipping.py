@@ -44,7 +44,7 @@ class SkipDrafting:
         self.patience, self.probe_every = patience, probe_every
         self.rho_min = min(r for r in rhos if r > 0)
         self.state = "drafting" if self.possible else "off"
-        self.margin = 0.0  # decayed sum of (predicted committed - AR-equivalent) tokens per row
+        self.margin = 0.0  # decayed sum of (committed - AR-equivalent) tokens per row
         self.drafting_steps = 0
         self.skipped = 0  # AR steps since drafting went off
         self.catchup = 0.0  # seconds the last probe spent catching the drafter's context up
