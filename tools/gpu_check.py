@@ -356,15 +356,16 @@ def bench(target, drafter, table: CostTable, batch_sizes: list[int], s: dict, de
         if B not in table.batch_sizes:
             info["dcut_without_table_row"].append(B)
         specs = [p for p in POLICIES if p in engines and p not in errors and (p != "dcut" or B in table.batch_sizes)]
-        done = bench_batch_size({p: engines[p] for p in specs}, B, prompts[:B], s, errors, deadline)
-        records += done
-        missing = [p for p in specs if p not in errors and p not in {r["policy"] for r in done}]
+        done = {r["policy"]: r for r in bench_batch_size({p: engines[p] for p in specs}, B, prompts[:B], s, errors,
+                                                         deadline)}
+        missing = [p for p in specs if p not in errors and p not in done]
         if missing:  # past the deadline before their warm pass
             info["skipped_policies"][B] = missing
+        ar = done["ar"]["tokens_per_second"] if "ar" in done else None
+        for r in done.values():
+            r["speedup_vs_ar"] = r["tokens_per_second"] / ar if ar else None
+        records += done.values()
         last = time.perf_counter() - t0
-        ar = {r["batch_size"]: r["tokens_per_second"] for r in records if r["policy"] == "ar"}
-        for r in records:
-            r["speedup_vs_ar"] = r["tokens_per_second"] / ar[r["batch_size"]] if ar.get(r["batch_size"]) else None
         on_batch(records)
     info.update(seconds=time.perf_counter() - t_start, compile_seconds=compile_seconds() - c_start)
     return records, info
@@ -637,6 +638,10 @@ def run(args, console: Console) -> int:
         report = assemble_report(s, env, tests, models, wall, args.argv)
         return report, write_report(report, args.out)
 
+    def save_model(kind, out):  # what a model part has measured so far
+        models[kind] = out
+        save()
+
     if s["run_tests"]:
         console.print(f"running python {' '.join(pytest_command(Path('junit.xml'))[1:])}")
         tests = run_cuda_tests(min(s["tests_s"], deadline - time.perf_counter()))
@@ -646,10 +651,10 @@ def run(args, console: Console) -> int:
         t0 = time.perf_counter()
         share = (deadline - t0) / (len(s["models"]) - i)  # what is left, split between the models left
         console.print(f"{kind}: building, profiling, benching (until {share:.0f} s from now)")
-        models[kind] = run_model(kind, s, t0 + share, lambda msg, kind=kind: console.print(f"  {kind}: {msg}"),
-                                 lambda out, kind=kind: (models.__setitem__(kind, out), save()))
+        out = run_model(kind, s, t0 + share, lambda msg, kind=kind: console.print(f"  {kind}: {msg}"),
+                        lambda out, kind=kind: save_model(kind, out))
         wall[kind] = time.perf_counter() - t0
-        save()
+        save_model(kind, out)
     report, path = save()
     for line in summary_lines(report):
         console.print(line, markup=False, highlight=False)
