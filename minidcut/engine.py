@@ -433,11 +433,12 @@ class Engine:
             batch.place(rows, requests)
         return first
 
-    def reachable(self, max_batch: int | None = None) -> list[tuple]:
-        """Keys (kind, b, K, kv) of every graph this engine's policy can reach at buckets <= max_batch
-        (at a bucket without a cost row yet: every graph it could reach once the row is measured)."""
+    def reachable(self, max_batch: int | None = None, min_batch: int = 1) -> list[tuple]:
+        """Keys (kind, b, K, kv) of every graph this engine's policy can reach at buckets in [min_batch,
+        max_batch] (at a bucket without a cost row yet: every graph it could reach once the row is
+        measured)."""
         keys = []
-        for b in (x for x in self.buckets if x <= (max_batch or self.batch_size)):
+        for b in (x for x in self.buckets if min_batch <= x <= (max_batch or self.batch_size)):
             if self.drafter is None:
                 keys.append(("verify", b, 0, True))
                 continue
@@ -450,12 +451,12 @@ class Engine:
         return keys
 
     @torch.inference_mode()
-    def warmup(self, max_batch: int | None = None, calls: int = 3) -> float:
-        """Run every graph reachable at buckets <= max_batch (default: all) `calls` times on empty rows,
-        so that a compiled one is compiled, recorded as a CUDA graph and replayed before any step is
-        timed (reduce-overhead records on its second run); returns the seconds it took."""
+    def warmup(self, max_batch: int | None = None, calls: int = 3, min_batch: int = 1) -> float:
+        """Run every graph reachable at buckets in [min_batch, max_batch] (default: all) `calls` times on
+        empty rows, so that a compiled one is compiled, recorded as a CUDA graph and replayed before any
+        step is timed (reduce-overhead records on its second run); returns the seconds it took."""
         t0 = time.perf_counter()
-        keys = self.reachable(max_batch)
+        keys = self.reachable(max_batch, min_batch)
         drafts = {}
         for i, (kind, b, K, kv) in enumerate(keys, 1):
             fn = self.graph(kind, b, K, kv, note=f" ({i} of {len(keys)})")

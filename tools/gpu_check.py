@@ -391,8 +391,8 @@ def count_syncs(device):
 
 def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, errors: dict,
                      deadline: float = float("inf")) -> list[dict]:
-    """Every engine at batch size B: a warm pass (compiles and records its graphs), then bench_repeats
-    timed passes, the policies taking turns. new_graphs: graph keys used for the first time (a timed pass
+    """Every engine at batch size B: Engine.warmup of bucket B's graphs (a probe's too) and a warm pass
+    (compile and record its graphs), then bench_repeats timed passes, the policies taking turns. new_graphs: graph keys used for the first time (a timed pass
     that needed one measured a compile). A policy that fails is recorded in errors[spec] and left out.
     Past the deadline no engine starts its warm pass and no round after the first timed one starts."""
     warm, runs = {}, {}
@@ -412,6 +412,7 @@ def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, e
             break
         t0, c0 = time.perf_counter(), compile_seconds()
         try:
+            engines[spec].warmup(B, min_batch=B)
             first = one_pass(spec)
         except Exception as e:  # noqa: BLE001
             errors[spec] = dict(error_record(e), batch_size=B)
