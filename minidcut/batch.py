@@ -91,6 +91,11 @@ class Batch:
         """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
         return [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in self.requests[:b]]
 
+    @property
+    def n_unsynced(self) -> int:
+        """Committed positions of the live rows without the drafter's context K/V."""
+        return sum(r.anchor_pos - self.synced[i] for i, r in enumerate(self.requests) if r is not None)
+
     def unsynced(self) -> list[int]:
         """[rows + positions] of committed tokens without the drafter's context K/V, now marked synced
         (empty if none)."""

@@ -155,7 +155,7 @@ class Engine:
                 self.move_rows(batch, *self.staging.send())
                 moved = []
             stats.seconds["profile"] += profiler.measure_row(self, batch, b)
-        plan = self.policy.plan(b) if self.drafter is not None else None
+        plan = self.policy.plan(b, batch.n_unsynced) if self.drafter is not None else None
         drafting = plan is not None and plan.draft
         draft = batch.take_ahead(b)  # the previous step's, if nothing changed since; dropped if unused
         draft = draft if drafting else None
@@ -186,7 +186,7 @@ class Engine:
                          rho=self.policy.rhos[draft.rho_index] if K else 0.0,
                          predicted=draft.predicted if drafting else 0.0,
                          accepted=int(n_commit[rows].sum()) - len(rows), seconds=time.perf_counter() - t0,
-                         catchup=catchup)
+                         catchup=catchup, caught_up=len(unsynced) // 2)
         stats.seconds.update(draft=t1 - t0 + catchup, verify=t2 - t1, bookkeeping=time.perf_counter() - t2)
         stats.add(rec, int(kept[rows].sum()), self.D, self.policy.calibration.gain_scale)
         if stats.trace is not None and drafting:  # for evaluation: scores, kept and accepted drafts

@@ -46,7 +46,8 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
                          "commits more per second than an AR step")
         elif skip.state == "off":
             lines.append(f"drafting is off at bucket {b}: its drafting steps committed fewer tokens per second "
-                         f"than AR steps; one probe every {skip.period} steps checks again")
+                         f"than AR steps; a probe checks again every {skip.probe_period()} steps or more (the more "
+                         "drafter context it must catch up, the later)")
         else:
             lines.append(f"drafting is on at bucket {b}")
     if stats.seconds["profile"]:

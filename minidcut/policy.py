@@ -48,6 +48,7 @@ class StepRecord:
     accepted: int = 0  # drafts accepted
     seconds: float = 0.0  # the step's measured seconds (0: not measured)
     catchup: float = 0.0  # seconds spent before it writing the drafter's context of skipped steps
+    caught_up: int = 0  # positions that catch-up wrote
 
 
 class Policy:
@@ -113,12 +114,13 @@ class Policy:
             self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.depth, **self._skip_kw)
         return self.skipping[bucket]
 
-    def plan(self, bucket: int) -> StepPlan:
+    def plan(self, bucket: int, unsynced: int = 0) -> StepPlan:
         """What the next step at `bucket` runs: whether it drafts (never without the bucket's costs),
-        and the draft graph's inputs. Called once per step: a skipped step counts toward the next probe."""
+        and the draft graph's inputs. unsynced: positions whose drafter context a draft would first
+        write (Batch.n_unsynced). Called once per step: a skipped step counts toward the next probe."""
         costs = self.costs(bucket)
         skip = self.skip(bucket)
-        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now())
+        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now(unsynced))
         cost = list(costs or [1.0] * len(self.rhos))
         if skip is not None:  # the draft is paid once drafting: rho = 0 then costs what the smallest rho does
             cost[0] = cost[1]

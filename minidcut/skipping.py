@@ -9,17 +9,20 @@ explicit state:
              weighted by the step's share of live rows, are summed with a decay (RUN_DECAY per
              drafting step: the sum remembers drafting steps, probes included, not AR steps). When the
              sum is negative (after `patience` drafting steps), drafting goes off.
-  off        AR steps. Every probe period one step probes.
+  off        AR steps. A step probes once the AR steps since drafting went off have earned its price.
   probing    one drafting step; if it tips the sum above zero drafting is on again, else off again.
 
 The sum never falls below -FLOOR: probes that keep losing pile up evidence, so one lucky probe does not
 turn drafting back on (each false start costs several losing drafting steps), while a lasting change
 (prompts the drafter suits) turns it on within a few probes.
 
-A probe costs a drafting step instead of an AR step, gains the drafts drafting usually gets accepted
-(a long running mean), and first writes the drafter's context of the skipped steps (its measured
-catch-up). It is priced at the dearest budget the rule may pick, and its period keeps that net cost
-under PROBE_BUDGET of the time.
+A probe costs a drafting step instead of an AR step (priced at the dearest budget the rule may pick),
+gains the drafts drafting usually gets accepted (a long running mean), and first writes the drafter's
+context of every position committed while drafting was off (the catch-up, priced per position as the
+last one measured it). Each AR step while off earns PROBE_BUDGET of its seconds; a probe runs once
+those earnings pay its price at that step, and never sooner than probe_every steps. The catch-up
+grows with every skipped step, so where it grows faster than the earnings a probe waits for rows
+that have little to catch up (requests admitted since: a prefill writes the prompt's context).
 
 Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
 Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
@@ -35,7 +38,7 @@ FLOOR = 2.0  # the sum's lower bound, in tokens per row: a probe alone turns dra
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
 
 
-STATE = ("state", "margin", "drafting_steps", "skipped", "catchup", "accepted")  # what is saved
+STATE = ("state", "margin", "drafting_steps", "skipped", "catchup_per_position", "accepted")  # what is saved
 
 
 class SkipDrafting:
@@ -47,9 +50,8 @@ class SkipDrafting:
         self.margin = 0.0  # decayed sum of (committed - AR-equivalent) tokens per row
         self.drafting_steps = 0
         self.skipped = 0  # AR steps since drafting went off
-        self.catchup = 0.0  # seconds the last probe spent catching the drafter's context up
+        self.catchup_per_position = 0.0  # seconds the last catch-up of the drafter's context took a position
         self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
-        self.period = self.probe_period()
 
     @property
     def cost(self) -> dict[float, float]:
@@ -72,29 +74,32 @@ class SkipDrafting:
         if saved["state"] not in ("drafting", "off", "probing"):
             raise ValueError(f"unknown skip state {saved['state']!r}")
         self.state = saved["state"] if self.possible else "off"
-        self.margin, self.catchup = float(saved["margin"]), float(saved["catchup"])
+        self.margin, self.catchup_per_position = float(saved["margin"]), float(saved["catchup_per_position"])
         self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
         self.accepted = [float(x) for x in saved["accepted"]]
         if len(self.accepted) != 2:
             raise ValueError("skip state: accepted must be [drafts, rows]")
-        self.period = self.probe_period()
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:
         """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
         draft was paid, priced as the smallest rho > 0)."""
         return self.cost[(rho or self.rho_min) if drafting else 0.0]
 
-    def probe_period(self) -> int:
-        """AR steps between probes, so that probes cost at most PROBE_BUDGET of the AR steps' time. A
-        probe is priced at the dearest budget the rule may pick (a measured one: unmeasured entries are
-        never picked)."""
-        if not self.possible:
-            return self.probe_every
+    def probe_price(self, unsynced: int = 0) -> float:
+        """Seconds a probe loses to an AR step at most: its step at the dearest budget the rule may pick
+        (a measured one: unmeasured entries are never picked) less what drafting usually commits, plus
+        the catch-up of `unsynced` positions."""
         ar = self.seconds(False)
         usual = self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
         dearest = max(c for r, c in self.cost.items() if r > 0 and c != float("inf"))
-        loss = dearest - ar * (1.0 + usual) + self.catchup  # seconds a probe loses to AR at most
-        return max(self.probe_every, int(loss / (PROBE_BUDGET * ar)) + 1)
+        return dearest - ar * (1.0 + usual) + self.catchup_per_position * unsynced
+
+    def probe_period(self, unsynced: int = 0) -> int:
+        """AR steps a probe waits for while `unsynced` positions would need catching up: its price
+        over each AR step's PROBE_BUDGET of its seconds, at least probe_every."""
+        if not self.possible:
+            return self.probe_every
+        return max(self.probe_every, int(self.probe_price(unsynced) / (PROBE_BUDGET * self.seconds(False))) + 1)
 
     def gain_over_ar(self, rec) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
@@ -103,19 +108,20 @@ class SkipDrafting:
         high, most where drafting is near break-even (docs/method.md, "Skipping drafting")."""
         return 1.0 + rec.accepted / max(rec.n_live, 1) - self.seconds(True, rec.rho) / self.seconds(False)
 
-    def draft_now(self) -> bool:
+    def draft_now(self, unsynced: int = 0) -> bool:
+        """Whether this step drafts; unsynced: the positions a draft would first catch up."""
         if not self.possible:
             return False
         if self.state == "off":
             self.skipped += 1
-            if self.skipped >= self.period:
+            if self.skipped >= self.probe_period(unsynced):
                 self.state = "probing"
         return self.state != "off"
 
     def observe(self, rec) -> None:
         """Learn from one StepRecord of this batch size."""
-        if rec.catchup > 0:
-            self.catchup = rec.catchup
+        if rec.caught_up > 0:
+            self.catchup_per_position = rec.catchup / rec.caught_up
         if not rec.drafted:
             return
         kept = rec.rho > 0
@@ -132,4 +138,3 @@ class SkipDrafting:
             self.state = "drafting" if self.margin > 0 else "off"
         if self.state == "off":
             self.skipped = 0
-            self.period = self.probe_period()  # priced on what was just learned

@@ -33,10 +33,11 @@ def skip(table, B, **kw):
     return SkipDrafting(B, RHOS, table, **kw)
 
 
-def drafting(B, rho, predicted, accepted=None, n_live=None, seconds=0.0, catchup=0.0):
+def drafting(B, rho, predicted, accepted=None, n_live=None, seconds=0.0, catchup=0.0, caught_up=0):
     """A StepRecord of a drafting step."""
     return StepRecord(bucket=B, n_live=n_live or B, drafted=True, rho=rho, predicted=predicted,
-                      accepted=int(predicted) if accepted is None else accepted, seconds=seconds, catchup=catchup)
+                      accepted=int(predicted) if accepted is None else accepted, seconds=seconds, catchup=catchup,
+                      caught_up=caught_up)
 
 
 def ar_step(B, seconds=0.0, n_live=None):
@@ -232,11 +233,24 @@ def test_probes_are_priced_at_the_dearest_budget_the_rule_may_pick():
     assert skip(pruned, 64).probe_period() == pytest.approx(1 + 3.0 / PROBE_BUDGET, abs=1)
 
 
-def test_a_probes_catch_up_of_the_drafters_context_makes_probes_rarer():
+def test_a_probes_catch_up_is_priced_per_position_it_writes():
     s = skip(CostTable([64], RHOS, [[1.0, 8.0, 9.0, 10.0, 11.0]]), 64)
-    assert s.probe_period() == pytest.approx(1 + 10.0 / PROBE_BUDGET, abs=1)  # 10 AR steps lost a probe
-    s.observe(drafting(64, 0.25, 0.0, catchup=2.0))  # a probe that first spent 2 AR steps catching up
-    assert s.probe_period() == pytest.approx(1 + 12.0 / PROBE_BUDGET, abs=1)
+    assert s.probe_period(unsynced=1000) == pytest.approx(1 + 10.0 / PROBE_BUDGET, abs=1)  # not measured yet
+    s.observe(drafting(64, 0.25, 0.0, catchup=2.0, caught_up=400))  # 2 AR steps for 400 positions
+    assert s.catchup_per_position == pytest.approx(0.005)
+    assert s.probe_period() == pytest.approx(1 + 10.0 / PROBE_BUDGET, abs=1)  # nothing to catch up
+    assert s.probe_period(unsynced=800) == pytest.approx(1 + 14.0 / PROBE_BUDGET, abs=1)
+
+
+def test_a_probe_waits_while_its_catch_up_grows_faster_than_ar_steps_earn_it_then_runs_on_fresh_rows():
+    """B = 64: catching up a position costs 0.5 % of an AR step, so the 64 positions a skipped step adds
+    cost 0.32 AR steps, more than the 0.01 each AR step earns. With the same rows no probe ever pays;
+    once new requests took the rows (their prompts' context was written at prefill), one does."""
+    s = skip(CostTable([64], RHOS, [[1.0, 2.0, 2.2, 2.4, 2.6]]), 64, patience=1)
+    s.observe(drafting(64, 0.25, 0.0, catchup=0.5, caught_up=100))  # nothing accepted: drafting goes off
+    assert s.state == "off" and s.catchup_per_position == pytest.approx(0.005)
+    assert not any(s.draft_now(unsynced=64 * (i + 1)) for i in range(2000))
+    assert s.draft_now(unsynced=64)  # 2001 AR steps earned 20 AR steps: a probe with 64 positions to write
 
 
 def test_losing_probes_pile_up_so_one_lucky_probe_does_not_turn_drafting_on():

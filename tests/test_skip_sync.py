@@ -24,14 +24,15 @@ class SkipsThenDrafts(Policy):
 
     def __init__(self, skips: int):
         super().__init__("static", [0.5])
-        self.skips, self.catchups = skips, []
+        self.skips, self.catchups, self.unsynced = skips, [], []
 
-    def plan(self, bucket):
+    def plan(self, bucket, unsynced=0):
         self.skips -= 1
-        return dataclasses.replace(super().plan(bucket), draft=self.skips < 0)
+        self.unsynced.append(unsynced)
+        return dataclasses.replace(super().plan(bucket, unsynced), draft=self.skips < 0)
 
     def observe(self, rec):
-        self.catchups.append(rec.catchup)
+        self.catchups.append((rec.catchup, rec.caught_up))
 
 
 @pytest.fixture
@@ -73,8 +74,10 @@ def test_drafting_after_skipped_steps_sees_the_whole_context(pair, monkeypatch, 
     engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
     outputs, stats = engine.generate(prompts, 24)
     assert stats.rho_hist[0.0] == 6 and stats.rho_hist[0.5] >= 1  # skipped 6 steps, then drafted
-    if catch_up:  # only the first drafting step caught up, and its seconds reached the policy
-        assert policy.catchups[6] > 0 and policy.catchups[:6] == [0.0] * 6 and not any(policy.catchups[7:])
+    if catch_up:  # only the first drafting step caught up: the 2 x 6 positions the plans were told of
+        assert policy.unsynced[:7] == [0, 2, 4, 6, 8, 10, 12] and policy.unsynced[7] == 0
+        assert policy.catchups[6][0] > 0 and policy.catchups[6][1] == 12
+        assert policy.catchups[:6] == [(0.0, 0)] * 6 and not any(c for c, _ in policy.catchups[7:])
     err = context_kv_error(target, drafter, prompts, outputs)
     if catch_up:
         assert err < 1e-4

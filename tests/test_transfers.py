@@ -75,9 +75,9 @@ def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
             super().__init__("static", [0.5])
             self.n = 0
 
-        def plan(self, bucket):
+        def plan(self, bucket, unsynced=0):
             self.n += 1
-            return dataclasses.replace(super().plan(bucket), draft=self.n % 2 == 1)
+            return dataclasses.replace(super().plan(bucket, unsynced), draft=self.n % 2 == 1)
 
     hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
     make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
@@ -106,9 +106,9 @@ def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
             super().__init__("static", [0.5])
             self.n = 0
 
-        def plan(self, bucket):
+        def plan(self, bucket, unsynced=0):
             self.n += 1
-            return dataclasses.replace(super().plan(bucket), draft=self.n % 3 != 0)
+            return dataclasses.replace(super().plan(bucket, unsynced), draft=self.n % 3 != 0)
 
     hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
     make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
