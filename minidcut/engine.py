@@ -454,7 +454,8 @@ class Engine:
     def warmup(self, max_batch: int | None = None, calls: int = 3, min_batch: int = 1) -> float:
         """Run every graph reachable at buckets in [min_batch, max_batch] (default: all) `calls` times on
         empty rows, so that a compiled one is compiled, recorded as a CUDA graph and replayed before any
-        step is timed (reduce-overhead records on its second run); returns the seconds it took."""
+        step is timed (reduce-overhead records on its second run), and the catch-up once (its eager
+        kernels load on first use); returns the seconds it took."""
         t0 = time.perf_counter()
         keys = self.reachable(max_batch, min_batch)
         drafts = {}
@@ -470,4 +471,6 @@ class Engine:
                 else:
                     ri = self.budgets(b).index(K)
                     fn(*z, drafts[b].drafts, drafts[b].keep_lens[ri].clone())
+        if any(not kv for *_, kv in keys):  # steps that skip drafting: the catch-up after them (eager)
+            self.drafter.sync_context(*torch.zeros(2, 1, dtype=torch.long, device=self.device))
         return time.perf_counter() - t0

@@ -130,13 +130,17 @@ def test_engine_warmup_compiles_every_graph_a_dcut_run_reaches(tiny_pair, fresh_
     assert 0.0 in stats.rho_hist and len(stats.rho_hist) >= 3
 
 
-def test_warmup_of_one_bucket_runs_every_graph_of_that_bucket_and_no_other(tiny_pair):
+def test_warmup_of_one_bucket_runs_every_graph_of_that_bucket_and_no_other(tiny_pair, monkeypatch):
     """tools/gpu_check.py warms one bucket before timing it: Engine.warmup(b, min_batch=b) runs each graph
-    the policy can reach at b (a probe's draft and its K = 0 verify too) 3 times, and nothing else."""
+    the policy can reach at b (a probe's draft and its K = 0 verify too) 3 times, and nothing else, and
+    the catch-up a probe runs first once."""
     target, drafter = tiny_pair
     engine = Engine(target, drafter, Policy.dcut(mixed_table(), GRID, calibrate=False), batch_size=B,
                     max_seq=MAX_SEQ, eos_ids=[], compile=False)
+    catch_ups = []
+    monkeypatch.setattr(drafter, "sync_context", lambda row, pos: catch_ups.append(len(pos)))
     engine.warmup(B, min_batch=B)
+    assert catch_ups == [1]
     reachable = engine.reachable(B, min_batch=B)
     assert {k[1] for k in reachable} == {B} and ("draft", B, 0, True) in reachable
     assert ("verify", B, 0, True) in reachable and ("verify", B, 0, False) in reachable

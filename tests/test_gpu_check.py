@@ -76,7 +76,7 @@ MODEL_KEYS = {"target_config", "drafter_config", "layers", "params", "build_seco
 RECORD_KEYS = {"batch_size", "policy", "tokens_per_second", "tokens_per_second_runs", "speedup_vs_ar", "tau",
                "keep_ratio", "rho_histogram", "bucket_histogram", "seconds", "steps", "generated_tokens",
                "warmup_seconds", "compile_seconds", "new_graphs", "new_graphs_while_timed", "drafting_steps",
-               "drafting_share", "graph_runs", "syncs_per_step"}
+               "drafting_share", "graph_runs", "syncs_per_step", "seconds_runs", "drafting_steps_runs"}
 
 
 def test_one_tiny_model_profiles_and_benches_one_batch_size_eagerly_into_a_report_with_every_key(tmp_path):

@@ -311,13 +311,15 @@ def profile_table(target, drafter, batch_sizes: list[int], s: dict, deadline: fl
 
 
 def bench_records(B: int, spec: str, runs: list[dict], warm: dict) -> dict:
-    """One record per (batch size, policy) with minidcut.bench's keys: the median pass and every pass."""
+    """One record per (batch size, policy) with minidcut.bench's keys: the median pass and every pass
+    (tokens/s, graph runs, host syncs, seconds by part and drafting steps of each)."""
     mid = sorted(runs, key=lambda r: r["tokens_per_second"])[len(runs) // 2]
     rec = {"batch_size": B, "policy": spec, **warm,
            "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
            "tokens_per_second_runs": [r["tokens_per_second"] for r in runs],
            "new_graphs_while_timed": sum(r["new_graphs"] for r in runs),
-           "graph_runs": [r["graph_runs"] for r in runs], "syncs_per_step": [r["syncs_per_step"] for r in runs]}
+           "graph_runs": [r["graph_runs"] for r in runs], "syncs_per_step": [r["syncs_per_step"] for r in runs],
+           "seconds_runs": [r["seconds"] for r in runs], "drafting_steps_runs": [r["drafting_steps"] for r in runs]}
     for k in ("tau", "keep_ratio", "rho_histogram", "bucket_histogram", "seconds", "steps", "generated_tokens",
               "drafting_steps"):
         rec[k] = mid[k]
