@@ -18,10 +18,10 @@ commit    hand each request its committed tokens, stop finished requests
 feedback  one StepRecord to the policy (calibration, skip drafting)
 
 Host <-> device per step: at most one copy to the device, and one to the host in the steady state. A
-step that drafted drafts the next step's block right after its verification (the same inputs, each
-row's limit less what it committed, on the device), so the next step's pick (rho index and its gain)
-crosses with this step's tokens; the next step uses that draft unless a row changed hands or the bucket
-changed. A step that needs host inputs (a fresh draft's limits and costs, the rows a compaction moves,
+step that drafted (a probe aside: the step after it likely runs AR) drafts the next step's block right
+after its verification (the same inputs, each row's limit less what it committed, on the device), so
+the next step's pick (rho index and its gain) crosses with this step's tokens; the next step uses that
+draft unless a row changed hands or the bucket changed. A step that needs host inputs (a fresh draft's limits and costs, the rows a compaction moves,
 the positions a catch-up writes) sends them all in one copy (staging.py); a fresh draft then syncs once
 more, on its pick. An admission's prefill is one copy each way of its own. `ar` runs the verify graph
 with K = 0 (one token per row) and never drafts.
@@ -179,7 +179,7 @@ class Engine:
             draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs, self.draft_span(reach))
         K = self.budgets(b)[draft.rho_index] if drafting else 0
         t1 = time.perf_counter()
-        commit, n_commit, kept = self.verify(batch, b, draft, K, reach)
+        commit, n_commit, kept = self.verify(batch, b, draft, K, reach, ahead=drafting and plan.ahead)
         t2 = time.perf_counter()
         self.commit(batch, commit, n_commit, draft, stats, on_finish)
         rec = StepRecord(bucket=b, n_live=len(rows), drafted=drafting,
@@ -244,10 +244,11 @@ class Engine:
         outputs are overwritten when it replays."""
         return Draft(*(t.clone() for t in out[:4]), rho_index=int(pick[0]), predicted=float(pick[1]))
 
-    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, reach: int):
+    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, reach: int, ahead: bool = True):
         """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft) and
         move the rows' anchors on. A step that drafted then drafts the next step's block already
-        (batch.ahead), so that its pick crosses to the host with this step's tokens, in one copy.
+        (batch.ahead; unless not ahead: a probe), so that its pick crosses to the host with this step's
+        tokens, in one copy.
         reach: one past the live rows' furthest anchor. Returns, on the host: commit [b, block],
         n_commit [b], kept [b]."""
         Q = min(self.block, K + 1)  # the longest row verified
@@ -260,14 +261,15 @@ class Engine:
         batch.anchor[:b], batch.anchor_pos[:b] = anchor, anchor_pos
         kept = keep_len if K else torch.zeros_like(n_commit)
         host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1)  # [b, block + 2]
-        if draft is not None:  # the next draft: the same inputs, each row's limit less what it commits
+        ahead = ahead and draft is not None
+        if ahead:  # the next draft: the same inputs, each row's limit less what it commits
             inputs = self.staging.fixed_inputs(b + 2 + len(self.policy.rhos))
             inputs[:b] = (inputs[:b] - n_commit).clamp(min=0)  # in place: the inputs of the latest draft
             out = self.graph("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs,
                                          self.draft_span(reach + Q))  # anchors moved <= Q on
             host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
         host = host.cpu()  # the step's one copy to the host
-        if draft is not None:
+        if ahead:
             batch.ahead = (batch.version, b, self.drafted(out, host[-2:]))
             host = host[:-2].long().view(b, -1)
         return host[:, :-2], host[:, -2], host[:, -1]

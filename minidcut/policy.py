@@ -34,6 +34,8 @@ class StepPlan:
     draft: bool  # run the drafter (False: an AR step)
     cost: list[float]  # the draft graph's cost input [n_rho]: seconds per step at the bucket
     gain_scale: float  # calibrated / raw expected accepted drafts (calibration.py)
+    ahead: bool = True  # a drafting step drafts the next block after verifying (not a probe: the step
+    #                     after one likely runs AR, and its draft would be paid for nothing)
 
 
 @dataclass
@@ -124,7 +126,7 @@ class Policy:
         cost = list(costs or [1.0] * len(self.rhos))
         if skip is not None:  # the draft is paid once drafting: rho = 0 then costs what the smallest rho does
             cost[0] = cost[1]
-        return StepPlan(draft, cost, self.calibration.gain_scale)
+        return StepPlan(draft, cost, self.calibration.gain_scale, ahead=skip is None or skip.state == "drafting")
 
     def committed(self, gain: torch.Tensor, n_live: torch.Tensor, gain_scale: torch.Tensor) -> torch.Tensor:
         """What a step is worth: expected accepted drafts gain [n_rho], calibrated by gain_scale, plus

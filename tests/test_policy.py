@@ -253,6 +253,16 @@ def test_a_probe_waits_while_its_catch_up_grows_faster_than_ar_steps_earn_it_the
     assert s.draft_now(unsynced=64)  # 2001 AR steps earned 20 AR steps: a probe with 64 positions to write
 
 
+def test_only_a_step_of_drafting_that_is_on_drafts_the_next_block_ahead():
+    p = Policy.dcut(steep_table(), RHOS)
+    assert p.plan(16).draft and p.plan(16).ahead  # drafting is on
+    skip = p.skipping[16]
+    skip.state, skip.skipped = "off", 10 ** 6  # a probe is long due
+    plan = p.plan(16)
+    assert plan.draft and not plan.ahead and skip.state == "probing"
+    assert Policy.static(0.5).plan(16).ahead
+
+
 def test_losing_probes_pile_up_so_one_lucky_probe_does_not_turn_drafting_on():
     """B = 16, steep table: rho = 0.25 costs 1.6 AR steps. Drafting went off and ten probes since each
     committed 1.25 tokens a row (0.35 fewer than AR steps in their time): the ~200 AR steps between

@@ -94,6 +94,36 @@ def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
     assert len(fresh) == sum(stats.drafting_hist.values())  # every drafting step drafted afresh
 
 
+def test_a_probe_drafts_no_block_ahead(tmp_path):
+    """A probe's plan says ahead=False: the step after a probe likely runs AR, so it drafts only its own
+    block (its cost is then the cost table's: one draft and one verification). Every drafting step then
+    drafts afresh, the draft graph runs once per drafting step, and the tokens are still AR's."""
+    import dataclasses
+
+    class Probing(Policy):  # static 0.5, every step a probe
+        def __init__(self):
+            super().__init__("static", [0.5])
+
+        def plan(self, bucket, unsynced=0):
+            return dataclasses.replace(super().plan(bucket, unsynced), ahead=False)
+
+    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
+    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
+    target = load_target(tmp_path / "target")
+    drafter = load_drafter(tmp_path / "drafter", target)
+    prompts = [[3, 5, 7], [4, 6, 8, 10]]
+    runs = {}
+    for name, policy in (("probing", Probing()), ("drafting", Policy.static(0.5))):
+        engine = Engine(target, drafter, policy, batch_size=2, max_seq=96, eos_ids=[], compile=False)
+        out, stats = engine.generate(prompts, 20)
+        runs[name] = (out, stats.steps, sum(n for k, n in engine.calls.items() if k[0] == "draft"))
+    ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=96, eos_ids=[], compile=False).generate(prompts, 20)
+    out, steps, drafts = runs["probing"]
+    assert out == ar and drafts == steps
+    out, steps, drafts = runs["drafting"]
+    assert out == ar and drafts > steps  # drafting steps draft ahead (the last one's draft goes unused)
+
+
 def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
     """Steps that are not steady ones too: admissions while others decode (the prefill is one copy each
     way of its own), compactions at a batch's tail, catch-ups of the drafter's context after AR steps
