@@ -21,10 +21,10 @@ Host <-> device per step: at most one copy to the device, and one to the host in
 step that drafted (a probe aside: the step after it likely runs AR) drafts the next step's block right
 after its verification (the same inputs, each row's limit less what it committed, on the device), so
 the next step's pick (rho index and its gain) crosses with this step's tokens; the next step uses that
-draft unless a row changed hands or the bucket changed. A step that needs host inputs (a fresh draft's limits and costs, the rows a compaction moves,
-the positions a catch-up writes) sends them all in one copy (staging.py); a fresh draft then syncs once
-more, on its pick. An admission's prefill is one copy each way of its own. `ar` runs the verify graph
-with K = 0 (one token per row) and never drafts.
+draft unless a row changed hands or the bucket changed. A step that needs host inputs (a fresh draft's
+limits and costs, the rows a compaction moves, the positions a catch-up writes) sends them all in one
+copy (staging.py); a fresh draft then syncs once more, on its pick. An admission's prefill is one copy
+each way of its own. `ar` runs the verify graph with K = 0 (one token per row) and never drafts.
 
 Attention span: a compiled graph's attention reads every cache position (static shapes); an eager
 step reads only the positions up to the live rows' furthest token, rounded up to SPAN_STEP
@@ -246,10 +246,9 @@ class Engine:
 
     def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, reach: int, ahead: bool = True):
         """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft) and
-        move the rows' anchors on. A step that drafted then drafts the next step's block already
-        (batch.ahead; unless not ahead: a probe), so that its pick crosses to the host with this step's
-        tokens, in one copy.
-        reach: one past the live rows' furthest anchor. Returns, on the host: commit [b, block],
+        move the rows' anchors on. With `ahead`, a step that drafted then drafts the next step's block
+        already (batch.ahead), so that its pick crosses to the host with this step's tokens, in one
+        copy (a probe does not: StepPlan.ahead). reach: one past the live rows' furthest anchor. Returns, on the host: commit [b, block],
         n_commit [b], kept [b]."""
         Q = min(self.block, K + 1)  # the longest row verified
         keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None

@@ -111,7 +111,9 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     scale = torch.tensor(policy.calibration.gain_scale)
     rate = [float(policy.committed(torch.tensor(g), torch.tensor(float(n_live)), scale)) for g in gain]
     best = max((rate[ri] / row[ri] for ri in range(len(rhos)) if Ks[ri] == 0), default=0.0)
-    keepable = min(max(Ks), sum(min(x, engine.D) for x in limit))  # drafts the live rows can still emit
+    # Drafts a step at this bucket could keep with these live rows: the row serves every later step at
+    # the bucket, so not these rows' remaining tokens (near their end a row can emit few drafts).
+    keepable = min(max(Ks), n_live * engine.D)
     ceiling = float(policy.committed(torch.tensor(float(keepable)), torch.tensor(float(n_live)), torch.tensor(1.0)))
     for ri in drafting:
         row[ri] = cell(ri)

@@ -153,11 +153,14 @@ def test_a_run_measures_the_buckets_it_reaches_on_its_own_rows_and_the_next_run_
     assert ran and all(a >= b for a, b in zip(sum(policy2.table.samples, []), sum(saved.samples, [])))
 
 
+@pytest.mark.parametrize("limit", [15, 1])
 @pytest.mark.parametrize("costs, measured", [([1.0, 2.0, 2.2, 2.4, 2.6], 5), ([1.0, 20.0, 40.0, 60.0, 80.0], 2)])
-def test_a_live_row_stops_only_where_full_acceptance_could_not_win(pair, monkeypatch, costs, measured):
+def test_a_live_row_stops_only_where_full_acceptance_could_not_win(pair, monkeypatch, costs, measured, limit):
     """The drafter is unsure on this step (expected accepted drafts 0.01), but a larger budget is left
     unmeasured (and so never chosen) only if it could not win even with every keepable draft accepted:
-    at B = 1 with cheap drafting steps, 16 tokens a step at 2.6x an AR step could; at 20x it could not."""
+    at B = 1 with cheap drafting steps, 16 tokens a step at 2.6x an AR step could; at 20x it could not.
+    Keepable by any row at this bucket: a row measured on a request one token from its end (limit 1)
+    serves every later step there too."""
     import minidcut.profiler as profiler
     from types import SimpleNamespace
 
@@ -167,7 +170,7 @@ def test_a_live_row_stops_only_where_full_acceptance_could_not_win(pair, monkeyp
     monkeypatch.setattr(profiler, "timed_step", lambda e, a, p, i, limit, n, ri, reach: (costs[ri], None, torch.ones(1)))
     monkeypatch.setattr(engine, "draft", lambda *a, **k: SimpleNamespace(gain=torch.full((5,), 0.01)))
     z = torch.zeros(1, dtype=torch.long)
-    row, _, _ = profiler.measure_live(engine, z, z + 3, z, [15], [0], reach=4)
+    row, _, _ = profiler.measure_live(engine, z, z + 3, z, [limit], [0], reach=4)
     assert sum(not math.isinf(x) for x in row) == measured
     assert row[:measured] == costs[:measured]
 
