@@ -124,6 +124,34 @@ def test_a_probe_drafts_no_block_ahead(tmp_path):
     assert out == ar and drafts > steps  # drafting steps draft ahead (the last one's draft goes unused)
 
 
+def test_a_steps_seconds_hold_one_draft_as_a_cost_table_entry_does(tmp_path, monkeypatch):
+    """A fresh draft that also drafts ahead runs the draft graph twice; its record (which refines the
+    cost table) leaves the first out. A probe drafts afresh and not ahead: its one draft counts."""
+    import dataclasses
+    import time
+
+    class Probing(Policy):
+        def __init__(self):
+            super().__init__("static", [0.5])
+
+        def plan(self, bucket, unsynced=0):
+            return dataclasses.replace(super().plan(bucket, unsynced), ahead=False)
+
+    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
+    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
+    target = load_target(tmp_path / "target")
+    drafter = load_drafter(tmp_path / "drafter", target)
+    first = {}
+    for name, policy in (("drafting", Policy.static(0.5)), ("probing", Probing())):
+        engine = Engine(target, drafter, policy, batch_size=2, max_seq=96, eos_ids=[], compile=False)
+        real = engine.run_draft
+        monkeypatch.setattr(engine, "run_draft", lambda *a, _r=real: (time.sleep(0.3), _r(*a))[1])  # fresh only
+        records = []
+        engine.generate([[3, 5, 7], [4, 6, 8, 10]], 8, on_step=lambda stats, rec: records.append(rec))
+        first[name] = records[0].seconds  # the first step drafts afresh
+    assert first["drafting"] < 0.3 <= first["probing"]
+
+
 def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
     """Steps that are not steady ones too: admissions while others decode (the prefill is one copy each
     way of its own), compactions at a batch's tail, catch-ups of the drafter's context after AR steps
