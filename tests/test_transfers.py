@@ -8,6 +8,8 @@ vectors are constants of a compiled graph; run eagerly they are rebuilt per call
 from __future__ import annotations
 
 import collections
+import dataclasses
+import time
 
 import pytest
 import torch
@@ -23,12 +25,27 @@ from tiny import make_drafter, make_model
 GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
-@pytest.mark.parametrize("forced", [0.5, 0.0])
-def test_a_steady_step_copies_once_to_the_host_and_never_to_the_device(tmp_path, monkeypatch, forced):
+class Probing(Policy):
+    """static 0.5, every step planned as a probe (StepPlan.ahead False: no block drafted ahead)."""
+
+    def __init__(self):
+        super().__init__("static", [0.5])
+
+    def plan(self, bucket, unsynced=0):
+        return dataclasses.replace(super().plan(bucket, unsynced), ahead=False)
+
+
+def tiny_pair(tmp_path):
+    """A 2-layer llama target and a 1-layer drafter."""
     hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
     make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
     target = load_target(tmp_path / "target")
-    drafter = load_drafter(tmp_path / "drafter", target)
+    return target, load_drafter(tmp_path / "drafter", target)
+
+
+@pytest.mark.parametrize("forced", [0.5, 0.0])
+def test_a_steady_step_copies_once_to_the_host_and_never_to_the_device(tmp_path, monkeypatch, forced):
+    target, drafter = tiny_pair(tmp_path)
     table = CostTable([4], GRID, [[1.0 if r == forced else 1000.0 for r in GRID]])  # dcut picks `forced`
     policy = Policy.dcut(table, GRID, calibrate=False, skip_drafting=forced > 0)
     if forced == 0.0:  # AR steps only: a dcut policy that never drafts
@@ -68,8 +85,6 @@ def test_a_steady_step_copies_once_to_the_host_and_never_to_the_device(tmp_path,
 def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
     """The next step's draft is made by a drafting step; when the next step runs AR instead, that draft
     belongs to positions that have moved on and must never be used later."""
-    import dataclasses
-
     class Alternating(Policy):  # static 0.5, drafting every other step
         def __init__(self):
             super().__init__("static", [0.5])
@@ -79,10 +94,7 @@ def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
             self.n += 1
             return dataclasses.replace(super().plan(bucket, unsynced), draft=self.n % 2 == 1)
 
-    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
-    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
-    target = load_target(tmp_path / "target")
-    drafter = load_drafter(tmp_path / "drafter", target)
+    target, drafter = tiny_pair(tmp_path)
     engine = Engine(target, drafter, Alternating(), batch_size=2, max_seq=96, eos_ids=[], compile=False)
     fresh = []
     real_draft = engine.run_draft
@@ -98,19 +110,7 @@ def test_a_probe_drafts_no_block_ahead(tmp_path):
     """A probe's plan says ahead=False: the step after a probe likely runs AR, so it drafts only its own
     block (its cost is then the cost table's: one draft and one verification). Every drafting step then
     drafts afresh, the draft graph runs once per drafting step, and the tokens are still AR's."""
-    import dataclasses
-
-    class Probing(Policy):  # static 0.5, every step a probe
-        def __init__(self):
-            super().__init__("static", [0.5])
-
-        def plan(self, bucket, unsynced=0):
-            return dataclasses.replace(super().plan(bucket, unsynced), ahead=False)
-
-    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
-    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
-    target = load_target(tmp_path / "target")
-    drafter = load_drafter(tmp_path / "drafter", target)
+    target, drafter = tiny_pair(tmp_path)
     prompts = [[3, 5, 7], [4, 6, 8, 10]]
     runs = {}
     for name, policy in (("probing", Probing()), ("drafting", Policy.static(0.5))):
@@ -127,20 +127,7 @@ def test_a_probe_drafts_no_block_ahead(tmp_path):
 def test_a_steps_seconds_hold_one_draft_as_a_cost_table_entry_does(tmp_path, monkeypatch):
     """A fresh draft that also drafts ahead runs the draft graph twice; its record (which refines the
     cost table) leaves the first out. A probe drafts afresh and not ahead: its one draft counts."""
-    import dataclasses
-    import time
-
-    class Probing(Policy):
-        def __init__(self):
-            super().__init__("static", [0.5])
-
-        def plan(self, bucket, unsynced=0):
-            return dataclasses.replace(super().plan(bucket, unsynced), ahead=False)
-
-    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
-    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
-    target = load_target(tmp_path / "target")
-    drafter = load_drafter(tmp_path / "drafter", target)
+    target, drafter = tiny_pair(tmp_path)
     first = {}
     for name, policy in (("drafting", Policy.static(0.5)), ("probing", Probing())):
         engine = Engine(target, drafter, policy, batch_size=2, max_seq=96, eos_ids=[], compile=False)
@@ -157,8 +144,6 @@ def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
     way of its own), compactions at a batch's tail, catch-ups of the drafter's context after AR steps
     and fresh drafts. Each sends all its host inputs in one copy from the staging buffer; nothing else
     reaches the device from a host list; one copy back, two when a fresh draft syncs on its pick."""
-    import dataclasses
-
     class Alternating(Policy):  # static 0.5, drafting on two of every three steps: AR steps need catching up
         def __init__(self):
             super().__init__("static", [0.5])
@@ -168,10 +153,7 @@ def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
             self.n += 1
             return dataclasses.replace(super().plan(bucket, unsynced), draft=self.n % 3 != 0)
 
-    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
-    make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
-    target = load_target(tmp_path / "target")
-    drafter = load_drafter(tmp_path / "drafter", target)
+    target, drafter = tiny_pair(tmp_path)
     engine = Engine(target, drafter, Alternating(), batch_size=4, max_seq=128, eos_ids=[], compile=False)
     counts, per_step, inside, seen = collections.Counter(), [], [], collections.Counter()
     real_counted = engine.counted
