@@ -184,13 +184,13 @@ class Engine:
         t2 = time.perf_counter()
         self.commit(batch, commit, n_commit, draft, stats, on_finish)
         # The step's seconds hold one draft, as a cost-table entry does: a fresh draft that also drafted
-        # ahead ran two, and the first is the price of rows changing, not of this rho.
-        seconds = time.perf_counter() - (t1 if fresh and ahead else t0)
+        # ahead ran two, and the first is the price of rows changing (redraft), not of this rho.
+        redraft = t1 - t0 if fresh and ahead else 0.0
         rec = StepRecord(bucket=b, n_live=len(rows), drafted=drafting,
                          rho=self.policy.rhos[draft.rho_index] if K else 0.0,
                          predicted=draft.predicted if drafting else 0.0,
-                         accepted=int(n_commit[rows].sum()) - len(rows), seconds=seconds,
-                         catchup=catchup, caught_up=len(unsynced) // 2)
+                         accepted=int(n_commit[rows].sum()) - len(rows), seconds=time.perf_counter() - t0 - redraft,
+                         catchup=catchup, caught_up=len(unsynced) // 2, redraft=redraft)
         stats.seconds.update(draft=t1 - t0 + catchup, verify=t2 - t1, bookkeeping=time.perf_counter() - t2)
         stats.add(rec, int(kept[rows].sum()), self.D, self.policy.calibration.gain_scale)
         if stats.trace is not None and drafting:  # for evaluation: scores, kept and accepted drafts

@@ -51,6 +51,7 @@ class StepRecord:
     seconds: float = 0.0  # the step's measured seconds (0: not measured)
     catchup: float = 0.0  # seconds spent before it writing the drafter's context of skipped steps
     caught_up: int = 0  # positions that catch-up wrote
+    redraft: float = 0.0  # seconds of a draft made afresh on top of the step's own (its rows changed)
 
 
 class Policy:

@@ -103,10 +103,13 @@ class SkipDrafting:
 
     def gain_over_ar(self, rec) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
-        1 + accepted / n_live - its seconds / an AR step's. What the step realized, not what it was
-        predicted to: the rule picks the rho whose prediction is highest, so the picked prediction runs
-        high, most where drafting is near break-even (docs/method.md, "Skipping drafting")."""
-        return 1.0 + rec.accepted / max(rec.n_live, 1) - self.seconds(True, rec.rho) / self.seconds(False)
+        1 + accepted / n_live - its seconds / an AR step's, its seconds being the table's for its rho
+        plus a draft it made afresh when its rows changed (drafting pays for that too). What the step
+        realized, not what it was predicted to: the rule picks the rho whose prediction is highest, so
+        the picked prediction runs high, most where drafting is near break-even (docs/method.md,
+        "Skipping drafting")."""
+        seconds = self.seconds(True, rec.rho) + rec.redraft
+        return 1.0 + rec.accepted / max(rec.n_live, 1) - seconds / self.seconds(False)
 
     def draft_now(self, unsynced: int = 0) -> bool:
         """Whether this step drafts; unsynced: the positions a draft would first catch up."""

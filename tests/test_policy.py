@@ -1,6 +1,7 @@
 """The policy (docs/method.md, "Choosing rho", "Calibration", "Skipping drafting"): the paper's rule as
 the engine composes it, the calibration and the skip-drafting controller, each on its own."""
 
+import dataclasses
 import json
 
 import pytest
@@ -261,6 +262,16 @@ def test_only_a_step_of_drafting_that_is_on_drafts_the_next_block_ahead():
     plan = p.plan(16)
     assert plan.draft and not plan.ahead and skip.state == "probing"
     assert Policy.static(0.5).plan(16).ahead
+
+
+def test_a_draft_made_afresh_counts_against_drafting():
+    """A step whose rows changed drafts afresh and then ahead: the table entry it refines keeps one
+    draft, but the controller charges drafting for the other (StepRecord.redraft) too."""
+    s = skip(steep_table(), 16)  # rho .25 costs 1.6 AR steps
+    steady = drafting(16, 0.25, 16.0, seconds=1.6)
+    assert s.gain_over_ar(steady) == pytest.approx(1 + 1 - 1.6)
+    fresh = dataclasses.replace(steady, redraft=0.5)  # half an AR step spent redrafting
+    assert s.gain_over_ar(fresh) == pytest.approx(1 + 1 - 2.1)
 
 
 def test_losing_probes_pile_up_so_one_lucky_probe_does_not_turn_drafting_on():

@@ -125,8 +125,9 @@ def test_a_probe_drafts_no_block_ahead(tmp_path):
 
 
 def test_a_steps_seconds_hold_one_draft_as_a_cost_table_entry_does(tmp_path, monkeypatch):
-    """A fresh draft that also drafts ahead runs the draft graph twice; its record (which refines the
-    cost table) leaves the first out. A probe drafts afresh and not ahead: its one draft counts."""
+    """A fresh draft that also drafts ahead runs the draft graph twice; its record's seconds (which
+    refine the cost table) leave the first out, and its redraft holds it (the skip controller charges
+    it to drafting). A probe drafts afresh and not ahead: its one draft is in its seconds."""
     target, drafter = tiny_pair(tmp_path)
     first = {}
     for name, policy in (("drafting", Policy.static(0.5)), ("probing", Probing())):
@@ -135,8 +136,9 @@ def test_a_steps_seconds_hold_one_draft_as_a_cost_table_entry_does(tmp_path, mon
         monkeypatch.setattr(engine, "run_draft", lambda *a, _r=real: (time.sleep(0.3), _r(*a))[1])  # fresh only
         records = []
         engine.generate([[3, 5, 7], [4, 6, 8, 10]], 8, on_step=lambda stats, rec: records.append(rec))
-        first[name] = records[0].seconds  # the first step drafts afresh
-    assert first["drafting"] < 0.3 <= first["probing"]
+        first[name] = records[0].seconds, records[0].redraft  # the first step drafts afresh
+    assert first["drafting"][0] < 0.3 <= first["drafting"][1]  # the fresh draft: charged apart
+    assert first["probing"][0] >= 0.3 and first["probing"][1] == 0.0
 
 
 def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
