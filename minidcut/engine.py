@@ -179,7 +179,7 @@ class Engine:
             draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs, self.draft_span(reach))
         K = self.budgets(b)[draft.rho_index] if drafting else 0
         t1 = time.perf_counter()
-        ahead = drafting and plan.ahead
+        ahead = drafting and plan.ahead  # a draft exists whenever this holds
         commit, n_commit, kept = self.verify(batch, b, draft, K, reach, ahead=ahead)
         t2 = time.perf_counter()
         self.commit(batch, commit, n_commit, draft, stats, on_finish)
@@ -248,12 +248,12 @@ class Engine:
         outputs are overwritten when it replays."""
         return Draft(*(t.clone() for t in out[:4]), rho_index=int(pick[0]), predicted=float(pick[1]))
 
-    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, reach: int, ahead: bool = True):
+    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, reach: int, ahead: bool):
         """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft) and
-        move the rows' anchors on. With `ahead`, a step that drafted then drafts the next step's block
-        already (batch.ahead), so that its pick crosses to the host with this step's tokens, in one
-        copy (a probe does not: StepPlan.ahead). reach: one past the live rows' furthest anchor. Returns, on the host: commit [b, block],
-        n_commit [b], kept [b]."""
+        move the rows' anchors on. ahead (a drafting step that is not a probe, StepPlan.ahead): then
+        draft the next step's block already (batch.ahead), so that its pick crosses to the host with this
+        step's tokens, in one copy. reach: one past the live rows' furthest anchor. Returns, on the
+        host: commit [b, block], n_commit [b], kept [b]."""
         Q = min(self.block, K + 1)  # the longest row verified
         keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
         # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
@@ -264,7 +264,6 @@ class Engine:
         batch.anchor[:b], batch.anchor_pos[:b] = anchor, anchor_pos
         kept = keep_len if K else torch.zeros_like(n_commit)
         host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1)  # [b, block + 2]
-        ahead = ahead and draft is not None
         if ahead:  # the next draft: the same inputs, each row's limit less what it commits
             inputs = self.staging.fixed_inputs(b + 2 + len(self.policy.rhos))
             inputs[:b] = (inputs[:b] - n_commit).clamp(min=0)  # in place: the inputs of the latest draft

@@ -89,10 +89,10 @@ class SkipDrafting:
         """Seconds a probe loses to an AR step at most: its step at the dearest budget the rule may pick
         (a measured one: unmeasured entries are never picked) less what drafting usually commits, plus
         the catch-up of `unsynced` positions."""
-        ar = self.seconds(False)
+        cost = self.cost  # one read of the table's row
         usual = self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
-        dearest = max(c for r, c in self.cost.items() if r > 0 and c != float("inf"))
-        return dearest - ar * (1.0 + usual) + self.catchup_per_position * unsynced
+        dearest = max(c for r, c in cost.items() if r > 0 and c != float("inf"))
+        return dearest - cost[0.0] * (1.0 + usual) + self.catchup_per_position * unsynced
 
     def probe_period(self, unsynced: int = 0) -> int:
         """AR steps a probe waits for while `unsynced` positions would need catching up: its price
