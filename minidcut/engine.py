@@ -211,7 +211,7 @@ class Engine:
 
     def catch_up(self, batch: Batch) -> float:
         """Before drafting after skipped steps: write the drafter's context K/V of the positions
-        committed meanwhile, from the stored features (one copy of their places). Returns its seconds."""
+        committed meanwhile, from the held taps (one copy of their places). Returns its seconds."""
         unsynced = batch.unsynced()
         if not unsynced:
             return 0.0
@@ -257,7 +257,7 @@ class Engine:
         Q = min(self.block, K + 1)  # the longest row verified
         keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
         # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
-        # a step that did not only stores the features (see catch_up).
+        # a step that did not only holds the target's taps (see catch_up).
         fn = self.graph("verify", b, K, kv=draft is not None or self.drafter is None)
         commit, n_commit, anchor, anchor_pos = fn(batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
                                                   draft.drafts if draft else None, keep_len, self.verify_span(reach, K))
@@ -318,13 +318,13 @@ class Engine:
 
     def move_rows(self, batch: Batch, sent: torch.Tensor) -> None:
         """Copy the device state of moved rows: sent [src rows + dst rows] (compact) on the device. The
-        rows' anchors and target and drafter cache rows (K/V and stored features) go from src to dst."""
+        rows' anchors and target and drafter cache rows (K/V and held taps) go from src to dst."""
         s, d = sent.long().chunk(2)
         caches = list(self.target.caches) + (list(self.drafter.caches) if self.drafter is not None else [])
         for c in caches:
             c.k[d], c.v[d] = c.k[s], c.v[s]
         if self.drafter is not None:
-            self.drafter.feats[d] = self.drafter.feats[s]
+            self.drafter.held_taps[d] = self.drafter.held_taps[s]
         for t in (batch.anchor, batch.anchor_pos, batch.request_ids):
             t[d] = t[s]
 
@@ -332,7 +332,7 @@ class Engine:
 
     def graph(self, kind: str, b: int, K: int = 0, kv: bool = True, note: str = ""):
         """The callable of a draft graph (kind 'draft') or of a verify graph with K kept drafts, at
-        bucket b (kv: whether it writes the drafter's context K/V or only stores its features).
+        bucket b (kv: whether it writes the drafter's context K/V or only holds the target's taps).
         Compiled ones are made on first use, announced by on_compile("compiling ... b=4 K=15" + note)."""
         key = (kind, b, K, kv)
         if key not in self.graphs:

@@ -153,7 +153,7 @@ def test_dcut_switching_rho_never_recompiles_after_warm_up_inductor(tiny_pair, f
 
 
 def cache_pointers(target, drafter) -> list[int]:
-    return [c.k.data_ptr() for c in (*target.caches, *drafter.caches)] + [drafter.feats.data_ptr()]
+    return [c.k.data_ptr() for c in (*target.caches, *drafter.caches)] + [drafter.held_taps.data_ptr()]
 
 
 def test_profiling_then_decoding_in_one_process_never_recompiles_or_reallocates(tiny_pair, fresh_dynamo,

@@ -1,8 +1,8 @@
 """Skipped drafting does not cost the drafter its context: while drafting is off, verification only
-stores the drafter's context features, and the next drafting step writes the missing context K/V from
-them (Engine.write_context, in the step's one host-to-device copy), reporting the seconds it took to the policy. Checked against
-the K/V computed from scratch over the committed text, with a control where the catch-up is switched off
-(the check must then fail)."""
+holds the target's taps, and the next drafting step writes the missing context K/V from them
+(Engine.write_context, in the step's one host-to-device copy), reporting the seconds it took to the
+policy. Checked against the K/V computed from scratch over the committed text, with a control where the
+catch-up is switched off (the check must then fail)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,21 @@ def test_drafting_after_skipped_steps_sees_the_whole_context(pair, monkeypatch, 
         assert err < 1e-4
     else:
         assert err > 1e-2  # the control: without the catch-up, the skipped steps' context is missing
+
+
+@torch.inference_mode()
+def test_a_step_that_does_not_draft_runs_none_of_the_drafters_layers(pair):
+    """While drafting is off a step costs what an AR step does, plus one copy of the taps: the fusion
+    (fc) runs at the prefill and at the catch-up, never in a skipped step."""
+    target, drafter = pair
+    fused = []  # tokens through fc, per call
+    drafter.fc.register_forward_hook(lambda m, args, out: fused.append(args[0].shape[0]))
+    per_step = []
+    engine = Engine(target, drafter, SkipsThenDrafts(skips=5), batch_size=2, max_seq=64, eos_ids=[], compile=False)
+    engine.generate([[3, 4, 5], [6, 7, 8, 9]], 20, on_step=lambda stats, rec: per_step.append(list(fused)))
+    assert per_step[0] == [7]  # step 1: the prefill (3 + 4 prompt tokens), nothing after it
+    assert per_step[4] == [7]  # steps 2-5 skipped drafting: no fc
+    assert per_step[5][:2] == [7, 10]  # step 6 drafts: first the catch-up of 2 rows x 5 positions
 
 
 @torch.inference_mode()
