@@ -146,6 +146,7 @@ class Engine:
         self.admit(batch, pending, stats, on_finish)
         if not batch.live:
             return None
+        tp, measuring = time.perf_counter(), 0.0
         moved = self.compact(batch) if not pending else []  # [src rows + dst rows], on the host so far
         b = self.bucket_for(batch.live[-1] + 1)
         rows = batch.live
@@ -154,7 +155,8 @@ class Engine:
                 self.staging.put(moved)
                 self.move_rows(batch, *self.staging.send())
                 moved = []
-            stats.seconds["profile"] += profiler.measure_row(self, batch, b)
+            measuring = profiler.measure_row(self, batch, b)
+            stats.seconds["profile"] += measuring
         plan = self.policy.plan(b, batch.n_unsynced) if self.drafter is not None else None
         drafting = plan is not None and plan.draft
         draft = batch.take_ahead(b)  # the previous step's, if nothing changed since; dropped if unused
@@ -191,11 +193,14 @@ class Engine:
                          predicted=draft.predicted if drafting else 0.0,
                          accepted=int(n_commit[rows].sum()) - len(rows), seconds=time.perf_counter() - t0 - redraft,
                          catchup=catchup, caught_up=len(unsynced) // 2, redraft=redraft)
-        stats.seconds.update(draft=t1 - t0 + catchup, verify=t2 - t1, bookkeeping=time.perf_counter() - t2)
         stats.add(rec, int(kept[rows].sum()), self.D, self.policy.calibration.gain_scale)
         if stats.trace is not None and drafting:  # for evaluation: scores, kept and accepted drafts
             stats.trace.append((draft.log_s[rows].exp().cpu(), kept[rows], n_commit[rows] - 1))
         self.policy.observe(rec)
+        # Every second of the step outside prefill and measuring counts: bookkeeping holds the plan, the
+        # staging and row moves before the draft, and the commit and feedback after the verification.
+        before = t0 - tp - measuring - catchup
+        stats.seconds.update(draft=t1 - t0 + catchup, verify=t2 - t1, bookkeeping=before + time.perf_counter() - t2)
         return rec
 
     def admit(self, batch: Batch, pending, stats: Stats, on_finish=None) -> None:

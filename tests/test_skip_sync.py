@@ -116,3 +116,25 @@ def test_the_engine_reports_each_steps_seconds_to_the_policy(pair):
     assert {r.drafted for r in seen} == {True, False}  # the random drafter loses: drafting switches off
     assert all(r.seconds > 0 for r in seen)
     assert table.row(2, [0.0, 0.5])[0] != 1e-4 and table.samples[1][0] > 1  # both refined by the loop's steps
+
+
+@torch.inference_mode()
+def test_a_runs_decode_seconds_hold_the_policys_plan_and_feedback(pair):
+    """tok/s is generated tokens over prefill + decode seconds: a policy's work before and after each
+    step (plan, observe) counts, as it does in the wall time a user waits."""
+    import time
+
+    class Slow(SkipsThenDrafts):
+        def plan(self, bucket, unsynced=0):
+            time.sleep(0.01)
+            return super().plan(bucket, unsynced)
+
+        def observe(self, rec):
+            time.sleep(0.01)
+            super().observe(rec)
+
+    target, drafter = pair
+    engine = Engine(target, drafter, Slow(skips=3), batch_size=2, max_seq=64, eos_ids=[], compile=False)
+    _, stats = engine.generate([[3, 4, 5], [6, 7]], 12)
+    assert stats.seconds["bookkeeping"] >= 0.02 * stats.steps
+    assert stats.decode_seconds >= 0.02 * stats.steps + stats.seconds["verify"]
