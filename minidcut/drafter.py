@@ -16,8 +16,8 @@ sliding layers are) and give sliding layers a window (keys less than `sliding_wi
 While the policy has drafting switched off, verification stores the target's taps as they come
 ([rows, max_seq, n_taps * H], held_taps) and does no drafter work at all: the next drafting step fuses
 them and writes the K/V they miss (sync_context), so it drafts with the context of the skipped steps.
-Holding the taps instead of the fused features costs n_taps times the memory and saves a step that
-does not draft the fc (1-5 % of an AR step on the demo pair here).
+Holding the taps instead of the fused features costs n_taps times their memory and keeps fc and
+hidden_norm out of every step that does not draft (docs/method.md, "Skipping drafting").
 """
 
 from __future__ import annotations

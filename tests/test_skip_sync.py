@@ -7,6 +7,7 @@ catch-up is switched off (the check must then fail)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def test_a_step_that_does_not_draft_runs_none_of_the_drafters_layers(pair):
     engine = Engine(target, drafter, SkipsThenDrafts(skips=5), batch_size=2, max_seq=64, eos_ids=[], compile=False)
     engine.generate([[3, 4, 5], [6, 7, 8, 9]], 20, on_step=lambda stats, rec: per_step.append(list(fused)))
     assert per_step[0] == [7]  # step 1: the prefill (3 + 4 prompt tokens), nothing after it
-    assert per_step[4] == [7]  # steps 2-5 skipped drafting: no fc
+    assert per_step[4] == [7]  # steps 1-5 skipped drafting: no fc after the prefill
     assert per_step[5][:2] == [7, 10]  # step 6 drafts: first the catch-up of 2 rows x 5 positions
 
 
@@ -122,8 +123,6 @@ def test_the_engine_reports_each_steps_seconds_to_the_policy(pair):
 def test_a_runs_decode_seconds_hold_the_policys_plan_and_feedback(pair):
     """tok/s is generated tokens over prefill + decode seconds: a policy's work before and after each
     step (plan, observe) counts, as it does in the wall time a user waits."""
-    import time
-
     class Slow(SkipsThenDrafts):
         def plan(self, bucket, unsynced=0):
             time.sleep(0.01)
