@@ -110,11 +110,13 @@ class Policy:
 
     def skip(self, bucket: int) -> SkipDrafting | None:
         """The skip-drafting controller of a bucket (learned per bucket), None if drafting is never
-        skipped or the bucket has no costs yet."""
+        skipped or the bucket has no costs yet (a table's rows are only ever added: once made, a
+        controller stays)."""
+        if bucket in self.skipping:
+            return self.skipping[bucket]
         if not self.can_skip or self.costs(bucket) is None:
             return None
-        if bucket not in self.skipping:
-            self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.depth, **self._skip_kw)
+        self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.depth, **self._skip_kw)
         return self.skipping[bucket]
 
     def plan(self, bucket: int, unsynced: int = 0) -> StepPlan:

@@ -61,7 +61,10 @@ class SkipDrafting:
     @property
     def possible(self) -> bool:
         """Whether some rho > 0 would beat an AR step if every kept draft were accepted."""
-        cost = self.cost
+        return self.pays(self.cost)
+
+    def pays(self, cost: dict[float, float]) -> bool:
+        """possible, at these seconds by rho."""
         return any((self.B + round(r * self.B * self.D)) / cost[r] > self.B / cost[0.0] for r in self.rhos if r > 0)
 
     @property
@@ -85,21 +88,22 @@ class SkipDrafting:
         draft was paid, priced as the smallest rho > 0)."""
         return self.cost[(rho or self.rho_min) if drafting else 0.0]
 
-    def probe_price(self, unsynced: int = 0) -> float:
+    def probe_price(self, unsynced: int = 0, cost: dict[float, float] | None = None) -> float:
         """Seconds a probe loses to an AR step at most: its step at the dearest budget the rule may pick
         (a measured one: unmeasured entries are never picked) less what drafting usually commits, plus
-        the catch-up of `unsynced` positions."""
-        cost = self.cost  # one read of the table's row
+        the catch-up of `unsynced` positions. cost: the table's row (self.cost), if already read."""
+        cost = cost or self.cost
         usual = self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
         dearest = max(c for r, c in cost.items() if r > 0 and c != float("inf"))
         return dearest - cost[0.0] * (1.0 + usual) + self.catchup_per_position * unsynced
 
-    def probe_period(self, unsynced: int = 0) -> int:
+    def probe_period(self, unsynced: int = 0, cost: dict[float, float] | None = None) -> int:
         """AR steps a probe waits for while `unsynced` positions would need catching up: its price
         over each AR step's PROBE_BUDGET of its seconds, at least probe_every."""
-        if not self.possible:
+        cost = cost or self.cost
+        if not self.pays(cost):
             return self.probe_every
-        return max(self.probe_every, int(self.probe_price(unsynced) / (PROBE_BUDGET * self.seconds(False))) + 1)
+        return max(self.probe_every, int(self.probe_price(unsynced, cost) / (PROBE_BUDGET * cost[0.0])) + 1)
 
     def gain_over_ar(self, rec) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
@@ -112,12 +116,14 @@ class SkipDrafting:
         return 1.0 + rec.accepted / max(rec.n_live, 1) - seconds / self.seconds(False)
 
     def draft_now(self, unsynced: int = 0) -> bool:
-        """Whether this step drafts; unsynced: the positions a draft would first catch up."""
-        if not self.possible:
+        """Whether this step drafts; unsynced: the positions a draft would first catch up. Runs every
+        step: it reads the table's row once."""
+        cost = self.cost
+        if not self.pays(cost):
             return False
         if self.state == "off":
             self.skipped += 1
-            if self.skipped >= self.probe_period(unsynced):
+            if self.skipped >= self.probe_period(unsynced, cost):
                 self.state = "probing"
         return self.state != "off"
 
