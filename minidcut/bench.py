@@ -1,7 +1,9 @@
 """python -m minidcut.bench: every policy side by side, per batch size, in one process.
 
 For each batch size the policies run over the same prompts, interleaved (policy A, B, ... then again),
-warm: a first untimed pass compiles (its time is reported separately). Reported per (B, policy):
+warm: a first untimed pass compiles (its time is reported separately). With --lockstep each policy runs on
+its own copy of the models and the passes run together, one step of each policy in turn: a machine whose
+speed drifts from second to second (a shared VM) then slows every policy alike. Reported per (B, policy):
 tokens/s, speedup over AR, tau, keep ratio, rho histogram, step-time split, and for dcut the predicted
 vs realized accepted drafts before and after calibration. Also the best fixed policy per batch size
 (the oracle in hindsight) and the selector's own cost. Writes JSON and a PNG plot.
@@ -49,6 +51,9 @@ def parse_args(argv=None):
                    help="tokens generated per prompt, EOS ignored (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2,
                    help="timed passes per policy, interleaved; the median is kept (default: %(default)s)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="each policy on its own copy of the models, the passes taking steps in turn: ratios "
+                        "immune to a drifting machine (needs the models' memory once per policy)")
     p.add_argument("--cost-table", default=None, help="default: the table of each batch size's fingerprint "
                    "under compile_cache/cost_tables/ (rows it lacks are measured in the warm-up pass)")
     cli.add_runtime_args(p)
@@ -78,9 +83,11 @@ def selector_seconds(policy: Policy, B: int, D: int, device, compile: bool, reps
     return (time.perf_counter() - t0) / reps
 
 
-def bench_batch(B, specs, target, drafter, prompts, args, console) -> tuple[list[dict], dict | None]:
-    """Every policy at batch size B over the same prompts, passes interleaved. dcut policies share one
-    cost table (its missing rows are measured in their warm-up pass); returns the records and it."""
+def bench_batch(B, specs, models, prompts, args, console) -> tuple[list[dict], dict | None]:
+    """Every policy at batch size B over the same prompts, passes interleaved (--lockstep: taken
+    together, step by step). models: {spec: (target, drafter)}. dcut policies share one cost table (its
+    missing rows are measured in their warm-up pass); returns the records and it."""
+    target, drafter = models[specs[0]]
     n = args.num_prompts or max(2 * B, 16)
     ids = (prompts * (n // len(prompts) + 1))[:n]
     max_seq = cli.max_seq(ids, args.max_new_tokens, drafter.block_size, target.cfg.max_position_embeddings)
@@ -91,15 +98,17 @@ def bench_batch(B, specs, target, drafter, prompts, args, console) -> tuple[list
     engines, rows = {}, {}
     for spec in specs:
         policy = build_policy(spec, table=table, log=console.print)
-        engines[spec] = Engine(target, drafter if policy.needs_drafter else None, policy, batch_size=B,
+        t, d = models[spec]
+        engines[spec] = Engine(t, d if policy.needs_drafter else None, policy, batch_size=B,
                                max_seq=max_seq, eos_ids=[], compile=args.compile)
         t0 = time.perf_counter()  # warm-up: compiles every graph this policy can reach, measures missing rows
         engines[spec].warmup()
         engines[spec].generate(ids[:B], min(args.max_new_tokens, 2 * drafter.block_size))
         rows[spec] = {"warmup_seconds": time.perf_counter() - t0, "runs": []}
     for rep in range(args.repeats):
-        for spec in specs:  # interleaved, so drifts of a shared machine hit every policy alike
-            _, stats = engines[spec].generate(ids, args.max_new_tokens)
+        passes = together(engines, ids, args.max_new_tokens) if args.lockstep else (
+            (spec, engines[spec].generate(ids, args.max_new_tokens)[1]) for spec in specs)  # interleaved
+        for spec, stats in passes:
             rows[spec]["runs"].append(stats.as_dict())
             console.log(f"B={B} {spec:>12} pass {rep + 1}: {rows[spec]['runs'][-1]['tokens_per_second']:.1f} tok/s")
     out = []
@@ -118,9 +127,11 @@ def bench_batch(B, specs, target, drafter, prompts, args, console) -> tuple[list
             rec["tau_error_uncalibrated"] = abs(rec["predicted_accepted_raw"] - rec["realized_accepted"]) / n_rs
             rec["tau_error_calibrated"] = abs(rec["predicted_accepted"] - rec["realized_accepted"]) / n_rs
         out.append(rec)
-    ar = next((r["tokens_per_second"] for r in out if r["policy"] == "ar"), None)
-    for r in out:
-        r["speedup_vs_ar"] = r["tokens_per_second"] / ar if ar else None
+    ar = next((r for r in out if r["policy"] == "ar"), None)
+    for r in out:  # and pass by pass: each pass over AR's pass of the same round
+        r["speedup_vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"] if ar else None
+        r["speedup_vs_ar_runs"] = [x / y for x, y in zip(r["tokens_per_second_runs"], ar["tokens_per_second_runs"])] \
+            if ar else None
     dcut_specs = [s for s in specs if s.startswith("dcut")]
     if dcut_specs:
         save_table(engines[dcut_specs[0]].policy, table_file)
@@ -132,6 +143,19 @@ def bench_batch(B, specs, target, drafter, prompts, args, console) -> tuple[list
                 r["select_seconds"] = sel
                 r["select_fraction_of_step"] = sel / step if step else None
     return out, table.to_json() if table is not None else None
+
+
+def together(engines: dict[str, Engine], ids, max_new_tokens: int) -> list[tuple[str, object]]:
+    """One pass of every engine over the same prompts, taken step by step: each round steps every
+    unfinished engine once, the order rotating from round to round. Returns [(spec, Stats)]."""
+    runs = {spec: e.start(ids, max_new_tokens)[1:] for spec, e in engines.items()}  # spec: (stats, steps)
+    going, k = list(runs), 0
+    while going:
+        for spec in going[k % len(going):] + going[: k % len(going)]:
+            if next(runs[spec][1], None) is None:
+                going.remove(spec)
+        k += 1
+    return [(spec, stats) for spec, (stats, _) in runs.items()]
 
 
 def print_tables(console: Console, records: list[dict]) -> None:
@@ -237,14 +261,16 @@ def check_args(args) -> tuple[list[str], list[int]]:
 def run(args, console: Console) -> int:
     specs, batch_sizes = check_args(args)
     runtime.setup(args.threads)
-    target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype,
-                                                   pack=not args.compile)
+    load = lambda: load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype,  # noqa: E731
+                             pack=not args.compile)
+    target, drafter, device, dtype = load()
+    models = {spec: (target, drafter) if i == 0 or not args.lockstep else load()[:2] for i, spec in enumerate(specs)}
     tokenizer = load_tokenizer(args.target)
     prompts, _ = cli.read_prompts(args.prompts, None, tokenizer, args.chat, args.target)
     runtime.freeze_heap()
     records, tables = [], {}
     for B in batch_sizes:
-        recs, tables[str(B)] = bench_batch(B, specs, target, drafter, prompts, args, console)
+        recs, tables[str(B)] = bench_batch(B, specs, models, prompts, args, console)
         records += recs
     print_tables(console, records)
     summary = summarize(records)
@@ -258,7 +284,7 @@ def run(args, console: Console) -> int:
     result = {"target": args.target, "drafter": args.drafter, "device": str(device), "dtype": str(dtype),
               "drafter_dtype": str(drafter.fc.weight.dtype),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
-              "compiled": args.compile, "cost_tables": tables,
+              "compiled": args.compile, "lockstep": args.lockstep, "cost_tables": tables,
               "summary": summary, "records": records}
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")

@@ -130,16 +130,30 @@ class Engine:
         Stats). on_finish(index, output) as each request finishes; on_step(stats, record) after each
         step; trace: keep per drafting step the live rows' prefix scores, keep_len and accepted drafts
         in stats.trace (an extra host copy per step: for evaluation, not for speed)."""
+        requests, stats, steps = self.start(prompts, max_new_tokens, on_finish, trace)
+        for rec in steps:
+            if on_step is not None:
+                on_step(stats, rec)
+        return [r.output for r in requests], stats
+
+    def start(self, prompts: list[list[int]], max_new_tokens: int, on_finish=None, trace: bool = False):
+        """generate() one step per next(), for a caller that interleaves engines step by step (bench
+        --lockstep): (requests, Stats, steps), steps yielding each step's StepRecord; every request's
+        output is complete once it is exhausted. Bad prompts raise here, before any step."""
         requests = Request.checked(prompts, max_new_tokens, self.target.cfg.vocab_size, self.block, self.max_seq)
-        pending = collections.deque(requests)
         stats = Stats(policy=self.policy.label, batch_size=self.batch_size, requests=len(requests),
                       trace=[] if trace else None)
+        return requests, stats, self.steps(requests, stats, on_finish)
+
+    @torch.inference_mode()
+    def steps(self, requests: list[Request], stats: Stats, on_finish=None):
+        """The decode loop of start(): yields each step's StepRecord."""
+        pending = collections.deque(requests)
         batch = Batch.empty(self.batch_size, self.device)
         while pending or batch.live:
             rec = self.step(batch, pending, stats, on_finish)
-            if on_step is not None and rec is not None:
-                on_step(stats, rec)
-        return [r.output for r in requests], stats
+            if rec is not None:
+                yield rec
 
     def step(self, batch: Batch, pending, stats: Stats, on_finish=None) -> StepRecord | None:
         """One decode step over the live rows; None if no row is live after admission."""

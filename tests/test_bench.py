@@ -89,3 +89,50 @@ def test_plot_without_matplotlib_is_a_one_line_error_before_any_work(tmp_path, c
     assert bench.main(["--plot", str(tmp_path / "p.png"), "--no-compile"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "matplotlib" in err and err.count("\n") == 1
+
+
+def test_lockstep_passes_take_one_step_of_each_engine_in_turn():
+    """bench.together: every unfinished engine steps once a round, the order rotating; an engine that
+    finishes drops out and the others go on."""
+    order = []
+
+    class Fake:
+        def __init__(self, name, n):
+            self.name, self.n = name, n
+
+        def start(self, ids, max_new_tokens):
+            def steps():
+                for i in range(self.n):
+                    order.append(self.name)
+                    yield i
+            return [], f"stats of {self.name}", steps()
+
+    done = bench.together({"a": Fake("a", 3), "b": Fake("b", 5)}, [[1]], 4)
+    assert done == [("a", "stats of a"), ("b", "stats of b")]
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "b"]
+
+
+def test_lockstep_bench_runs_each_policy_on_its_own_models(tmp_path, monkeypatch):
+    """--lockstep: one copy of the models per policy, every pass's ratio to AR's pass in the JSON."""
+    hf = make_model(tmp_path / "target", "llama")
+    make_drafter(tmp_path / "drafter", hf.config)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [3 + i, 5, 7, 9]}) + "\n" for i in range(4)))
+    targets = []
+    real_engine = bench.Engine
+
+    def engine(target, *a, **kw):
+        targets.append(target)
+        return real_engine(target, *a, **kw)
+    monkeypatch.setattr(bench, "Engine", engine)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                       "--batch-sizes", "2", "--policies", "ar,full,dcut", "--prompts", str(prompts),
+                       "--max-new-tokens", "8", "--repeats", "2", "--lockstep", "--cost-table",
+                       str(tmp_path / "t.json"), "--no-compile", "--threads", "1", "--output", str(out)]) == 0
+    assert len(targets) == 3 and len({id(t) for t in targets}) == 3
+    res = json.loads(out.read_text())
+    assert res["lockstep"] is True
+    for r in res["records"]:
+        assert r["generated_tokens"] == 16 * 8 and len(r["speedup_vs_ar_runs"]) == 2
+        assert r["speedup_vs_ar_runs"][1] == pytest.approx(r["tokens_per_second_runs"][1] / res["records"][0]["tokens_per_second_runs"][1])

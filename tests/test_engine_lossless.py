@@ -489,3 +489,15 @@ def test_a_freed_row_far_past_the_span_keeps_a_key_in_every_window(tmp_path, mon
     assert len(blind) > 20 and sum(blind) == 0
     ar = Engine(target, None, Policy.ar(), batch_size=1, max_seq=256, eos_ids=[], compile=False)
     assert [r.output for r in requests[1:]] == [ar.generate([short_prompt[:i]], 60)[0][0] for i in (1, 2, 3)]
+
+
+def test_stepping_an_engine_gives_generates_outputs_and_checks_prompts_first(pair, ar_refs):
+    """Engine.start steps the same loop as generate, one step per next(); a bad prompt raises at start,
+    before any step."""
+    _, target, drafter, _ = pair
+    engine = Engine(target, drafter, Policy.dcut(synthetic_table()), batch_size=3, max_seq=MAX_SEQ, compile=False)
+    requests, stats, steps = engine.start(prompts_for(3), MAX_NEW)
+    records = list(steps)
+    assert [r.output for r in requests] == ar_refs[3] and len(records) == stats.steps > 0
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.start([[]], MAX_NEW)
