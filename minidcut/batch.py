@@ -91,6 +91,10 @@ class Batch:
         """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
         return [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in self.requests[:b]]
 
+    def usable(self, D: int) -> int:
+        """Drafts the live rows can still emit: each row's limit (limits), at most a block of D."""
+        return sum(min(D, r.max_new_tokens - len(r.output) - 1) for r in self.requests if r is not None)
+
     @property
     def n_unsynced(self) -> int:
         """Committed positions of the live rows without the drafter's context K/V."""

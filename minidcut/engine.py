@@ -171,7 +171,8 @@ class Engine:
                 moved = []
             measuring = profiler.measure_row(self, batch, b)
             stats.seconds["profile"] += measuring
-        plan = self.policy.plan(b, batch.n_unsynced) if self.drafter is not None else None
+        usable = batch.usable(self.D) if self.drafter is not None else 0
+        plan = self.policy.plan(b, batch.n_unsynced, len(rows), usable) if self.drafter is not None else None
         drafting = plan is not None and plan.draft
         draft = batch.take_ahead(b)  # the previous step's, if nothing changed since; dropped if unused
         draft = draft if drafting else None
@@ -206,7 +207,7 @@ class Engine:
                          rho=self.policy.rhos[draft.rho_index] if K else 0.0,
                          predicted=draft.predicted if drafting else 0.0,
                          accepted=int(n_commit[rows].sum()) - len(rows), seconds=time.perf_counter() - t0 - redraft,
-                         catchup=catchup, caught_up=len(unsynced) // 2, redraft=redraft)
+                         catchup=catchup, caught_up=len(unsynced) // 2, redraft=redraft, usable=usable)
         stats.add(rec, int(kept[rows].sum()), self.D, self.policy.calibration.gain_scale)
         if stats.trace is not None and drafting:  # for evaluation: scores, kept and accepted drafts
             stats.trace.append((draft.log_s[rows].exp().cpu(), kept[rows], n_commit[rows] - 1))

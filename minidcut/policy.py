@@ -52,6 +52,7 @@ class StepRecord:
     catchup: float = 0.0  # seconds spent before it writing the drafter's context of skipped steps
     caught_up: int = 0  # positions that catch-up wrote
     redraft: float = 0.0  # seconds of a draft made afresh on top of the step's own (its rows changed)
+    usable: int | None = None  # drafts the live rows could still emit (Batch.usable; None: not known)
 
 
 class Policy:
@@ -119,13 +120,15 @@ class Policy:
         self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.depth, **self._skip_kw)
         return self.skipping[bucket]
 
-    def plan(self, bucket: int, unsynced: int = 0) -> StepPlan:
+    def plan(self, bucket: int, unsynced: int = 0, n_live: int | None = None, usable: int | None = None) -> StepPlan:
         """What the next step at `bucket` runs: whether it drafts (never without the bucket's costs),
         and the draft graph's inputs. unsynced: positions whose drafter context a draft would first
-        write (Batch.n_unsynced). Called once per step: a skipped step counts toward the next probe."""
+        write (Batch.n_unsynced); n_live, usable: the live rows and the drafts they can still emit
+        (Batch.usable; default: the whole bucket, a block each). Called once per step: a skipped step
+        counts toward the next probe."""
         costs = self.costs(bucket)
         skip = self.skip(bucket)
-        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now(unsynced))
+        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now(unsynced, n_live, usable))
         cost = list(costs or [1.0] * len(self.rhos))
         if skip is not None:  # the draft is paid once drafting: rho = 0 then costs what the smallest rho does
             cost[0] = cost[1]

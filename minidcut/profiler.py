@@ -139,7 +139,7 @@ def measure_row(engine, batch, b: int) -> float:
     engine.policy.table.add_row(b, row, samples)
     for rho, predicted, accepted in seen:
         engine.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
-                                         accepted=accepted))
+                                         accepted=accepted, usable=batch.usable(engine.D)))
     return time.perf_counter() - t0
 
 

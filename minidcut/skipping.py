@@ -27,10 +27,15 @@ that have little to catch up (requests admitted since: a prefill writes the prom
 Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
 Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
 controller never drafts (`possible` is False). Without a table row for this batch size it does not
-draft either: it has nothing to compare with.
+draft either: it has nothing to compare with. The same test on the live rows: a step whose rows are
+too near their ends to pay even if every draft they can still emit were accepted runs AR (a batch's
+last steps), and such a drafting step (the profiler times some on whatever rows it finds) is not
+counted: it says nothing about drafting at this batch size.
 """
 
 from __future__ import annotations
+
+from .dcut import budget
 
 PROBE_BUDGET = 0.01  # the share of decode time probing may cost while drafting is off
 RUN_DECAY = 0.98  # memory of the drafting-vs-AR sum: ~50 drafting steps (one step's acceptance is noisy)
@@ -63,9 +68,12 @@ class SkipDrafting:
         """Whether some rho > 0 would beat an AR step if every kept draft were accepted."""
         return self.pays(self.cost)
 
-    def pays(self, cost: dict[float, float]) -> bool:
-        """possible, at these seconds by rho."""
-        return any((self.B + round(r * self.B * self.D)) / cost[r] > self.B / cost[0.0] for r in self.rhos if r > 0)
+    def pays(self, cost: dict[float, float], n_live: int | None = None, usable: int | None = None) -> bool:
+        """possible, at these seconds by rho, for n_live rows that can still emit `usable` drafts
+        (default: every row of the batch size, a whole block each)."""
+        n = self.B if n_live is None else n_live
+        u = n * self.D if usable is None else usable
+        return any((n + min(budget(r, self.B, self.D), u)) / cost[r] > n / cost[0.0] for r in self.rhos if r > 0)
 
     @property
     def state_dict(self) -> dict:
@@ -115,9 +123,10 @@ class SkipDrafting:
         seconds = self.seconds(True, rec.rho) + rec.redraft
         return 1.0 + rec.accepted / max(rec.n_live, 1) - seconds / self.seconds(False)
 
-    def draft_now(self, unsynced: int = 0) -> bool:
-        """Whether this step drafts; unsynced: the positions a draft would first catch up. Runs every
-        step: it reads the table's row once."""
+    def draft_now(self, unsynced: int = 0, n_live: int | None = None, usable: int | None = None) -> bool:
+        """Whether this step drafts; unsynced: the positions a draft would first catch up; n_live,
+        usable: the live rows and the drafts they can still emit (a probe due waits for rows that can
+        pay). Runs every step: it reads the table's row once."""
         cost = self.cost
         if not self.pays(cost):
             return False
@@ -125,14 +134,14 @@ class SkipDrafting:
             self.skipped += 1
             if self.skipped >= self.probe_period(unsynced, cost):
                 self.state = "probing"
-        return self.state != "off"
+        return self.state != "off" and self.pays(cost, n_live, usable)
 
     def observe(self, rec) -> None:
         """Learn from one StepRecord of this batch size."""
         if rec.caught_up > 0:
             self.catchup_per_position = rec.catchup / rec.caught_up
-        if not rec.drafted:
-            return
+        if not rec.drafted or rec.usable is not None and not self.pays(self.cost, rec.n_live, rec.usable):
+            return  # rows that could not pay even at full acceptance say nothing about drafting here
         kept = rec.rho > 0
         if kept:
             self.accepted = [ACCEPTED_DECAY * self.accepted[0] + rec.accepted,

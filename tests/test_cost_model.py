@@ -175,6 +175,26 @@ def test_a_live_row_stops_only_where_full_acceptance_could_not_win(pair, monkeyp
     assert row[:measured] == costs[:measured]
 
 
+@torch.inference_mode()
+def test_a_row_measured_on_rows_at_their_end_teaches_the_skip_controller_nothing(pair):
+    """A batch's tail can reach a bucket without a cost row while its rows have no token left to draft
+    for: the row is measured on them, but their steps, which can accept nothing, do not switch drafting
+    off at that bucket for every later batch (and process) that reaches it."""
+    import minidcut.profiler as profiler
+    from minidcut.batch import Batch, Request
+
+    target, drafter, _ = pair
+    policy = Policy.dcut(CostTable([1], RHOS, [[1.0] * 5]), RHOS)
+    engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
+    batch = Batch.empty(2, engine.device)
+    engine.prefill([0, 1], Request.checked([[3, 4, 5], [6, 7]], 1, target.cfg.vocab_size, 16, 64), batch)
+    assert batch.limits(2) == [0, 0] and batch.usable(engine.D) == 0
+    profiler.measure_row(engine, batch, 2)
+    skip = policy.skip(2)
+    assert policy.table.row(2, RHOS) is not None and skip.possible
+    assert skip.state == "drafting" and skip.drafting_steps == 0 and skip.margin == 0.0
+
+
 @pytest.mark.parametrize("content, needle", [("{not json", "corrupt"), ('{"batch_sizes": [1]}', "corrupt"),
                                              (None, "threads 99 != ")])
 def test_a_corrupt_or_foreign_table_is_ignored_with_one_line_and_replaced(pair, content, needle):

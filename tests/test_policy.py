@@ -34,11 +34,11 @@ def skip(table, B, **kw):
     return SkipDrafting(B, RHOS, table, **kw)
 
 
-def drafting(B, rho, predicted, accepted=None, n_live=None, seconds=0.0, catchup=0.0, caught_up=0):
+def drafting(B, rho, predicted, accepted=None, n_live=None, seconds=0.0, catchup=0.0, caught_up=0, usable=None):
     """A StepRecord of a drafting step."""
     return StepRecord(bucket=B, n_live=n_live or B, drafted=True, rho=rho, predicted=predicted,
                       accepted=int(predicted) if accepted is None else accepted, seconds=seconds, catchup=catchup,
-                      caught_up=caught_up)
+                      caught_up=caught_up, usable=usable)
 
 
 def ar_step(B, seconds=0.0, n_live=None):
@@ -312,6 +312,25 @@ def test_steps_with_few_live_rows_weigh_what_they_commit():
                 switched_off = True
                 s.observe(ar_step(8, n_live=n_live))
     assert switched_off
+
+
+def test_rows_at_their_end_neither_draft_nor_teach_the_controller_anything():
+    """B = 4, a drafting step at rho .25 costs 3 AR steps. Three rows with one token left each (no draft
+    can be emitted) cannot pay even at full acceptance: the step runs AR, and drafting steps timed on
+    such rows (the profiler's, at a batch's tail) leave the bucket's state as it was; with rows that can
+    emit 5 drafts each, drafting is on and losing steps count."""
+    s = skip(CostTable([4], RHOS, [[1.0, 3.0, 3.2, 3.4, 3.6]]), 4, patience=2)
+    assert s.state == "drafting" and s.draft_now(n_live=3, usable=15)
+    assert not s.draft_now(n_live=3, usable=0) and not s.draft_now(n_live=3, usable=2)
+    before = s.state_dict
+    for _ in range(10):
+        s.observe(drafting(4, 0.25, 0.0, accepted=0, n_live=3, usable=0))
+    assert s.state_dict == before
+    for _ in range(10):
+        s.observe(drafting(4, 0.25, 0.0, accepted=0, n_live=3, usable=15))
+    assert s.state == "off" and s.margin == -FLOOR
+    p = Policy.dcut(CostTable([4], RHOS, [[1.0, 3.0, 3.2, 3.4, 3.6]]), RHOS)
+    assert p.plan(4).draft and not p.plan(4, n_live=3, usable=0).draft and p.plan(4, n_live=3, usable=15).draft
 
 
 def test_probes_are_priced_on_what_drafting_usually_gets_not_on_the_last_hard_stretch():

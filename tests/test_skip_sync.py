@@ -27,10 +27,10 @@ class SkipsThenDrafts(Policy):
         super().__init__("static", [0.5])
         self.skips, self.catchups, self.unsynced = skips, [], []
 
-    def plan(self, bucket, unsynced=0):
+    def plan(self, bucket, unsynced=0, n_live=None, usable=None):
         self.skips -= 1
         self.unsynced.append(unsynced)
-        return dataclasses.replace(super().plan(bucket, unsynced), draft=self.skips < 0)
+        return dataclasses.replace(super().plan(bucket, unsynced, n_live, usable), draft=self.skips < 0)
 
     def observe(self, rec):
         self.catchups.append((rec.catchup, rec.caught_up))
@@ -124,9 +124,9 @@ def test_a_runs_decode_seconds_hold_the_policys_plan_and_feedback(pair):
     """tok/s is generated tokens over prefill + decode seconds: a policy's work before and after each
     step (plan, observe) counts, as it does in the wall time a user waits."""
     class Slow(SkipsThenDrafts):
-        def plan(self, bucket, unsynced=0):
+        def plan(self, bucket, unsynced=0, n_live=None, usable=None):
             time.sleep(0.01)
-            return super().plan(bucket, unsynced)
+            return super().plan(bucket, unsynced, n_live, usable)
 
         def observe(self, rec):
             time.sleep(0.01)

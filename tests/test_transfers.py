@@ -31,8 +31,8 @@ class Probing(Policy):
     def __init__(self):
         super().__init__("static", [0.5])
 
-    def plan(self, bucket, unsynced=0):
-        return dataclasses.replace(super().plan(bucket, unsynced), ahead=False)
+    def plan(self, bucket, unsynced=0, n_live=None, usable=None):
+        return dataclasses.replace(super().plan(bucket, unsynced, n_live, usable), ahead=False)
 
 
 def tiny_pair(tmp_path):
@@ -90,9 +90,9 @@ def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
             super().__init__("static", [0.5])
             self.n = 0
 
-        def plan(self, bucket, unsynced=0):
+        def plan(self, bucket, unsynced=0, n_live=None, usable=None):
             self.n += 1
-            return dataclasses.replace(super().plan(bucket, unsynced), draft=self.n % 2 == 1)
+            return dataclasses.replace(super().plan(bucket, unsynced, n_live, usable), draft=self.n % 2 == 1)
 
     target, drafter = tiny_pair(tmp_path)
     engine = Engine(target, drafter, Alternating(), batch_size=2, max_seq=96, eos_ids=[], compile=False)
@@ -151,9 +151,9 @@ def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
             super().__init__("static", [0.5])
             self.n = 0
 
-        def plan(self, bucket, unsynced=0):
+        def plan(self, bucket, unsynced=0, n_live=None, usable=None):
             self.n += 1
-            return dataclasses.replace(super().plan(bucket, unsynced), draft=self.n % 3 != 0)
+            return dataclasses.replace(super().plan(bucket, unsynced, n_live, usable), draft=self.n % 3 != 0)
 
     target, drafter = tiny_pair(tmp_path)
     engine = Engine(target, drafter, Alternating(), batch_size=4, max_seq=128, eos_ids=[], compile=False)
