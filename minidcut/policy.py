@@ -126,27 +126,13 @@ class Policy:
         write (Batch.n_unsynced); n_live, usable: the live rows and the drafts they can still emit
         (Batch.usable; default: the whole bucket, a block each). Called once per step: a skipped step
         counts toward the next probe."""
+        costs = self.costs(bucket)
         skip = self.skip(bucket)
-        draft = self.needs_drafter and self.costs(bucket) is not None and (
-            skip is None or skip.draft_now(unsynced, n_live, usable))
-        return StepPlan(draft, self.rule_costs(bucket), self.calibration.gain_scale,
-                        ahead=skip is None or skip.state == "drafting")
-
-    def rule_costs(self, bucket: int) -> list[float]:
-        """The rule's seconds by rho at `bucket` (the draft graph's cost input): the table's row, with
-        rho = 0 priced as the smallest budget where drafting can be skipped (the draft is paid once
-        drafting)."""
-        cost = list(self.costs(bucket) or [1.0] * len(self.rhos))
-        if self.skip(bucket) is not None:
+        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now(unsynced, n_live, usable))
+        cost = list(costs or [1.0] * len(self.rhos))
+        if skip is not None:  # the draft is paid once drafting: rho = 0 then costs what the smallest rho does
             cost[0] = cost[1]
-        return cost
-
-    def pick(self, bucket: int, gains: list[float], n_live: int) -> float:
-        """The rho the rule picks at `bucket` for expected accepted drafts gains [n_rho] (uncalibrated),
-        on the host: what choose does in the draft graph."""
-        i = self.choose(torch.tensor(gains), torch.tensor(float(n_live)),
-                        torch.tensor(self.calibration.gain_scale), torch.tensor(self.rule_costs(bucket)))
-        return self.rhos[int(i)]
+        return StepPlan(draft, cost, self.calibration.gain_scale, ahead=skip is None or skip.state == "drafting")
 
     def committed(self, gain: torch.Tensor, n_live: torch.Tensor, gain_scale: torch.Tensor) -> torch.Tensor:
         """What a step is worth: expected accepted drafts gain [n_rho], calibrated by gain_scale, plus

@@ -129,22 +129,17 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
 def measure_row(engine, batch, b: int) -> float:
     """Measure the engine's policy's missing cost row at bucket b on the batch's live rows (their
     outputs and positions are left as they were), add it to the table, and let the policy learn from
-    the one step the rule would have run on these rows: the timed step at the rho it picks from the
-    row and the drafts' expected acceptance (what that step accepted; no seconds: they are not the
-    loop's). The steps at budgets the rule would not pick are not evidence about drafting. Returns
+    what the timed drafting steps would have accepted (no seconds: they are not the loop's). Returns
     its seconds."""
     t0 = time.perf_counter()
     engine.catch_up(batch)  # drafting steps need the drafter's whole context
-    rows, policy = batch.live, engine.policy
+    rows = batch.live
     row, samples, seen = measure_live(engine, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
                                       batch.limits(b), rows, batch.reach, on_step=engine.on_measure)
-    policy.table.add_row(b, row, samples)
-    if seen:
-        gains = {rho: predicted for rho, predicted, _ in seen}
-        pick = policy.pick(b, [gains.get(r, 0.0) for r in policy.rhos], len(rows))
-        predicted, accepted = next(((p, a) for r, p, a in seen if r == pick), (0.0, 0))  # rho 0: nothing kept
-        policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=pick, predicted=predicted,
-                                  accepted=accepted, usable=batch.usable(engine.D)))
+    engine.policy.table.add_row(b, row, samples)
+    for rho, predicted, accepted in seen:
+        engine.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
+                                         accepted=accepted, usable=batch.usable(engine.D)))
     return time.perf_counter() - t0
 
 

@@ -195,27 +195,6 @@ def test_a_row_measured_on_rows_at_their_end_teaches_the_skip_controller_nothing
     assert skip.state == "drafting" and skip.drafting_steps == 0 and skip.margin == 0.0
 
 
-@torch.inference_mode()
-def test_a_measured_row_teaches_the_policy_the_one_step_the_rule_would_have_run(pair, monkeypatch):
-    """The row's timed drafting steps run every budget, but the rule would run one: the policy learns
-    from the step at the rho it picks (gain / cost: rho .25 here), not from budgets it would not pick
-    (rho 1 at 5 AR steps for 1 accepted draft would count as a heavy loss)."""
-    import minidcut.profiler as profiler
-    from minidcut.batch import Batch, Request
-
-    target, drafter, _ = pair
-    policy = Policy.dcut(CostTable([1], RHOS, [[1.0] * 5]), RHOS)
-    engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
-    batch = Batch.empty(2, engine.device)
-    engine.prefill([0, 1], Request.checked([[3, 4, 5], [6, 7]], 20, target.cfg.vocab_size, 16, 64), batch)
-    seen = [(0.25, 10.0, 9), (0.5, 12.0, 11), (0.75, 13.0, 2), (1.0, 14.0, 1)]
-    monkeypatch.setattr(profiler, "measure_live", lambda *a, **k: ([1.0, 2.0, 3.0, 4.0, 5.0], [3] * 5, seen))
-    records = []
-    monkeypatch.setattr(policy, "observe", records.append)
-    profiler.measure_row(engine, batch, 2)
-    assert [(r.drafted, r.rho, r.predicted, r.accepted, r.n_live) for r in records] == [(True, 0.25, 10.0, 9, 2)]
-
-
 @pytest.mark.parametrize("content, needle", [("{not json", "corrupt"), ('{"batch_sizes": [1]}', "corrupt"),
                                              (None, "threads 99 != ")])
 def test_a_corrupt_or_foreign_table_is_ignored_with_one_line_and_replaced(pair, content, needle):
