@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 TABLE_DIR = Path(__file__).resolve().parent.parent / "compile_cache" / "cost_tables"
-METHOD = 5  # 5: skip states learned from rows at their ends are not reused; 4: a step that does not draft runs no fc; 3: a row prunes by full rows; 2: by the rows measured on
+# METHOD 5: skip states learned from rows at their ends are not reused; 4: a step that does not draft runs
+# no fc; 3: a row prunes by full rows; 2: by the rows measured on
+METHOD = 5
 MEMORY = 20  # a refined entry is the mean of its last ~20 steps' seconds
 CLAMP = 3.0  # one step counts at most this many times (or 1 / this) the entry's seconds
 
