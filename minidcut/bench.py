@@ -52,8 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2,
                    help="timed passes per policy, interleaved; the median is kept (default: %(default)s)")
     p.add_argument("--lockstep", action="store_true",
-                   help="each policy on its own copy of the models, the passes taking steps in turn: ratios "
-                        "immune to a drifting machine (needs the models' memory once per policy)")
+                   help="each policy on its own copy of the models, the passes taking steps in turn, so a machine "
+                        "whose speed drifts slows every policy alike (needs the models' memory once per policy)")
     p.add_argument("--cost-table", default=None, help="default: the table of each batch size's fingerprint "
                    "under compile_cache/cost_tables/ (rows it lacks are measured in the warm-up pass)")
     cli.add_runtime_args(p)
