@@ -40,6 +40,11 @@ class Request:
         """Position of the last committed token (the anchor of the next block)."""
         return len(self.prompt) + len(self.output) - 1
 
+    @property
+    def limit(self) -> int:
+        """Drafts it can still use: its remaining tokens minus the bonus."""
+        return self.max_new_tokens - len(self.output) - 1
+
 
 @dataclass
 class Batch:
@@ -89,11 +94,11 @@ class Batch:
 
     def limits(self, b: int) -> list[int]:
         """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
-        return [r.max_new_tokens - len(r.output) - 1 if r else 0 for r in self.requests[:b]]
+        return [r.limit if r else 0 for r in self.requests[:b]]
 
     def usable(self, D: int) -> int:
-        """Drafts the live rows can still emit: each row's limit (limits), at most a block of D."""
-        return sum(min(D, r.max_new_tokens - len(r.output) - 1) for r in self.requests if r is not None)
+        """Drafts the live rows can still emit: each row's limit, at most a block of D."""
+        return sum(min(D, r.limit) for r in self.requests if r is not None)
 
     @property
     def n_unsynced(self) -> int:

@@ -171,7 +171,7 @@ class Engine:
                 moved = []
             measuring = profiler.measure_row(self, batch, b)
             stats.seconds["profile"] += measuring
-        usable = batch.usable(self.D) if self.drafter is not None else 0
+        usable = batch.usable(self.D) if self.policy.can_skip else None  # only a skip controller reads it
         plan = self.policy.plan(b, batch.n_unsynced, len(rows), usable) if self.drafter is not None else None
         drafting = plan is not None and plan.draft
         draft = batch.take_ahead(b)  # the previous step's, if nothing changed since; dropped if unused

@@ -137,9 +137,10 @@ def measure_row(engine, batch, b: int) -> float:
     row, samples, seen = measure_live(engine, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
                                       batch.limits(b), rows, batch.reach, on_step=engine.on_measure)
     engine.policy.table.add_row(b, row, samples)
+    usable = batch.usable(engine.D)
     for rho, predicted, accepted in seen:
         engine.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
-                                         accepted=accepted, usable=batch.usable(engine.D)))
+                                         accepted=accepted, usable=usable))
     return time.perf_counter() - t0
 
 
