@@ -101,6 +101,12 @@ class Batch:
         return sum(min(D, r.limit) for r in self.requests if r is not None)
 
     @property
+    def steps_left(self) -> int:
+        """The most tokens a live row may still emit: at most this many steps are left (fewer if rows
+        accept drafts or stop early)."""
+        return max((r.limit + 1 for r in self.requests if r is not None), default=0)
+
+    @property
     def n_unsynced(self) -> int:
         """Committed positions of the live rows without the drafter's context K/V."""
         return sum(r.anchor_pos - self.synced[i] for i, r in enumerate(self.requests) if r is not None)

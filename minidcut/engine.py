@@ -165,12 +165,15 @@ class Engine:
         b = self.bucket_for(batch.live[-1] + 1)
         rows = batch.live
         if self.drafter is not None and self.policy.needs_row(b):
-            if moved:  # first: the measured steps run on the rows in place
-                self.staging.put(moved)
-                self.move_rows(batch, *self.staging.send())
-                moved = []
-            measuring = profiler.measure_row(self, batch, b)
-            stats.seconds["profile"] += measuring
+            if not profiler.worth_measuring(self.policy.table, self.policy.rhos, b, batch.steps_left):
+                stats.unmeasured.setdefault(b, batch.steps_left)  # a batch's last rows: AR steps
+            else:
+                if moved:  # first: the measured steps run on the rows in place
+                    self.staging.put(moved)
+                    self.move_rows(batch, *self.staging.send())
+                    moved = []
+                measuring = profiler.measure_row(self, batch, b)
+                stats.seconds["profile"] += measuring
         usable = batch.usable(self.D) if self.policy.can_skip else None  # only a skip controller reads it
         plan = self.policy.plan(b, batch.n_unsynced, len(rows), usable) if self.drafter is not None else None
         drafting = plan is not None and plan.draft

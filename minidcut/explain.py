@@ -50,6 +50,9 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
                          "drafter context it must catch up, the later)")
         else:
             lines.append(f"drafting is on at bucket {b}")
+    for bucket, left in sorted(stats.unmeasured.items()):
+        lines.append(f"bucket {bucket} ran AR steps without a cost row: its rows had at most {left} steps left, "
+                     "fewer AR steps' time than measuring its row takes")
     if stats.seconds["profile"]:
         lines.append(f"measured missing cost-table rows in {stats.seconds['profile']:.1f} s (not counted in tok/s)")
     if table_file is not None:

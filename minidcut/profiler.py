@@ -2,8 +2,9 @@
 drafting) per (bucket, rho): the numbers a cost table holds (cost_model.py). Every timed step runs on the
 engine of the run, so it reads the same caches at the same positions through the same graphs.
 
-measure_row   a run's first step at a bucket whose row is missing (Engine.step): measure_live, then
-              the row goes into the table and the policy learns from the timed drafting steps.
+measure_row   a run's first step at a bucket whose row is missing (Engine.step), if worth_measuring:
+              measure_live, then the row goes into the table and the policy learns from the timed
+              drafting steps.
 measure_live  each rho timed on the live rows
               themselves. Positions do not advance and nothing is emitted: what a timed step writes
               into the caches lies at or past each row's anchor, which the next real step writes again
@@ -124,6 +125,21 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     for ri, x in zip(measured, nondecreasing([row[ri] for ri in measured])):
         row[ri] = x
     return row, samples, seen
+
+
+def worth_measuring(table: CostTable, rhos: list[float], b: int, steps_left: int) -> bool:
+    """Whether measuring bucket b's row can pay for itself in this run. measure_live times each rho
+    about 1 + LIVE_SAMPLES times (a first run, then up to LIVE_SAMPLES), so it takes about that many
+    times the row's seconds summed; the live rows have at most steps_left AR steps left. If measuring
+    takes longer than those, no speedup can win it back (a batch's tail: its last rows). Both are
+    priced at the nearest larger bucket the table has, which overestimates each; without one (a
+    run's first bucket) or an AR entry (rho = 0 not in the grid), measure."""
+    larger = [B for B in table.batch_sizes if B > b]
+    if not larger or 0.0 not in rhos:
+        return True
+    row = table.row(min(larger), rhos)
+    measuring = (1 + LIVE_SAMPLES) * sum(c for c in row if not math.isinf(c))
+    return steps_left * row[rhos.index(0.0)] > measuring
 
 
 def measure_row(engine, batch, b: int) -> float:

@@ -28,6 +28,7 @@ class Stats:
     bucket_hist: collections.Counter = field(default_factory=collections.Counter)  # steps per batch bucket
     drafting_hist: collections.Counter = field(default_factory=collections.Counter)  # per batch bucket
     seconds: collections.Counter = field(default_factory=collections.Counter)  # prefill/draft/verify/...
+    unmeasured: dict = field(default_factory=dict)  # bucket -> steps its rows had left: its row not worth measuring
     trace: list | None = None  # per drafting step (prefix scores, keep_len, accepted) of live rows
 
     def add(self, rec, kept: int, depth: int, gain_scale: float) -> None:
@@ -69,4 +70,5 @@ class Stats:
                 "predicted_accepted_raw": self.predicted_raw, "predicted_accepted": self.predicted,
                 "realized_accepted": self.realized, "drafting_request_steps": self.drafting_request_steps,
                 "drafting_histogram": {str(k): v for k, v in sorted(self.drafting_hist.items())},
-                "profile_seconds": self.seconds["profile"], "seconds": dict(self.seconds)}
+                "profile_seconds": self.seconds["profile"], "seconds": dict(self.seconds),
+                "unmeasured_buckets": {str(k): v for k, v in sorted(self.unmeasured.items())}}

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from minidcut.api import build_policy, load_table, run_fingerprint, save_table
 from minidcut.cost_model import CostTable, CostTableError, fingerprint, table_path
 from minidcut.engine import Engine
+from minidcut.explain import explain
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
 from minidcut.profiler import nondecreasing
@@ -132,9 +133,13 @@ def run(root, target, drafter, prompts, path, new_tokens=12, log=None):
 
 
 def test_a_run_measures_the_buckets_it_reaches_on_its_own_rows_and_the_next_run_reuses_them(pair, monkeypatch):
+    import minidcut.profiler as profiler
+
     target, drafter, root = pair
     path = root / "table.json"
     prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11]]  # 3 requests at B = 2: buckets 2, then 1 for the tail
+    # Every bucket it reaches, the tail's too (whether a tail's row is worth measuring: the next tests).
+    monkeypatch.setattr(profiler, "worth_measuring", lambda *a: True)
     ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=64, eos_ids=[], compile=False).generate(prompts, 12)
     added, add_row = [], CostTable.add_row
     monkeypatch.setattr(CostTable, "add_row", lambda self, B, row, *a: (added.append(list(row)), add_row(self, B, row, *a)))
@@ -151,6 +156,43 @@ def test_a_run_measures_the_buckets_it_reaches_on_its_own_rows_and_the_next_run_
     assert policy2.table.batch_sizes == saved.batch_sizes  # the same rows, refined by the steps taken
     ran = sum(policy2.table.samples, []) != sum(saved.samples, [])
     assert ran and all(a >= b for a, b in zip(sum(policy2.table.samples, []), sum(saved.samples, [])))
+
+
+def test_a_row_is_worth_measuring_only_if_the_rows_have_more_ar_steps_left_than_measuring_takes():
+    """Measuring times each rho about 1 + LIVE_SAMPLES = 4 times: at the nearest larger bucket's prices
+    (an AR step 1.0, drafting steps 3.0) a row at bucket 2 or 4 costs 4 x 13 = 52 AR steps to measure."""
+    from minidcut.profiler import worth_measuring
+
+    table = CostTable([8, 16], RHOS, [[1.0, 3.0, 3.0, 3.0, 3.0], [2.0, 9.0, 9.0, 9.0, 9.0]])
+    assert not worth_measuring(table, RHOS, 4, 52) and worth_measuring(table, RHOS, 4, 53)
+    assert not worth_measuring(table, RHOS, 2, 40)
+    assert worth_measuring(table, RHOS, 32, 1)  # no larger row to price it by (a run's first bucket)
+    assert worth_measuring(table, RHOS[1:], 4, 1)  # no AR entry to compare with
+    pruned = CostTable([8], RHOS, [[1.0, 3.0, 3.0, math.inf, math.inf]])  # unmeasured entries take no time
+    assert worth_measuring(pruned, RHOS, 4, 29) and not worth_measuring(pruned, RHOS, 4, 28)
+
+
+@pytest.mark.parametrize("new_tokens, measured", [(12, False), (60, True)])
+def test_a_tail_too_short_to_pay_for_measuring_runs_ar_steps_without_a_row(pair, new_tokens, measured):
+    """3 requests at B = 2: the third runs alone at bucket 1 once the first two are done, with
+    new_tokens - 1 steps left. Bucket 2's row prices measuring bucket 1 at 52 AR steps: 11 steps left
+    are not worth it (AR steps there, said in the stats), 59 are. The output is AR's either way."""
+    target, drafter, _ = pair
+    prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11]]
+    table = CostTable([2], RHOS, [[1.0, 3.0, 3.0, 3.0, 3.0]])
+    policy = Policy.dcut(table, RHOS, calibrate=False)  # the row stays as given (no refining)
+    engine = Engine(target, drafter, policy, batch_size=2, max_seq=96, eos_ids=[], compile=False)
+    out, stats = engine.generate(prompts, new_tokens)
+    ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=96, eos_ids=[], compile=False).generate(
+        prompts, new_tokens)
+    assert out == ar and stats.bucket_hist[1] > 0
+    assert (table.batch_sizes == [1, 2]) == measured and (stats.seconds["profile"] > 0) == measured
+    assert stats.unmeasured == ({} if measured else {1: new_tokens - 1})
+    assert stats.drafting_hist[1] == 0 or measured  # no row, no drafting
+    said = [line for line in explain(stats, policy) if line.startswith("bucket 1 ran AR steps")]
+    assert said == ([] if measured else [f"bucket 1 ran AR steps without a cost row: its rows had at most "
+                                         f"{new_tokens - 1} steps left, fewer AR steps' time than measuring its "
+                                         "row takes"])
 
 
 @pytest.mark.parametrize("limit", [15, 1])
