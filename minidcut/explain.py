@@ -45,9 +45,11 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
             lines.append(f"drafting never runs at bucket {b}: even if every kept draft were accepted, no rho "
                          "commits more per second than an AR step")
         elif skip.state == "off":
-            lines.append(f"drafting is off at bucket {b}: its drafting steps committed fewer tokens per second "
-                         f"than AR steps; a probe checks again every {skip.probe_period()} steps or more (the more "
-                         "drafter context it must catch up, the later)")
+            cheapest = min(c for r, c in skip.cost.items() if r > 0) / skip.cost[0.0]
+            lines.append(f"drafting is off at bucket {b}: its drafting steps (the cost row's timed ones included) "
+                         f"committed {1 + skip.usual_accepted:.2f} tokens per request per step, where the cheapest "
+                         f"costs {cheapest:.1f} AR steps; a probe checks again every {skip.probe_period()} steps or "
+                         "more (the more drafter context it must catch up, the later)")
         else:
             lines.append(f"drafting is on at bucket {b}")
     for bucket, left in sorted(stats.unmeasured.items()):

@@ -96,14 +96,19 @@ class SkipDrafting:
         draft was paid, priced as the smallest rho > 0)."""
         return self.cost[(rho or self.rho_min) if drafting else 0.0]
 
+    @property
+    def usual_accepted(self) -> float:
+        """Accepted drafts per live row of drafting steps that kept drafts, a long running mean (0
+        before any)."""
+        return self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
+
     def probe_price(self, unsynced: int = 0, cost: dict[float, float] | None = None) -> float:
         """Seconds a probe loses to an AR step at most: its step at the dearest budget the rule may pick
         (a measured one: unmeasured entries are never picked) less what drafting usually commits, plus
         the catch-up of `unsynced` positions. cost: the table's row (self.cost), if already read."""
         cost = cost or self.cost
-        usual = self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
         dearest = max(c for r, c in cost.items() if r > 0 and c != float("inf"))
-        return dearest - cost[0.0] * (1.0 + usual) + self.catchup_per_position * unsynced
+        return dearest - cost[0.0] * (1.0 + self.usual_accepted) + self.catchup_per_position * unsynced
 
     def probe_period(self, unsynced: int = 0, cost: dict[float, float] | None = None) -> int:
         """AR steps a probe waits for while `unsynced` positions would need catching up: its price

@@ -480,3 +480,20 @@ def test_policy_state_saved_and_loaded_continues_where_it_stopped():
         with pytest.raises(ValueError, match="not a saved policy state"):
             r.load_state(bad)
         assert r.calibration.gain_scale == 1.0 and r.plan(16).draft  # nothing half-loaded
+
+
+def test_the_summary_of_a_bucket_where_drafting_is_off_says_what_drafting_committed_and_what_it_costs():
+    """B = 4, drafting steps cost 3.0-3.6 AR steps; four drafting steps that each got 6 drafts accepted
+    over 4 rows (1 + 6 / 4 = 2.5 tokens a row a step, the bonus counted) switch drafting off."""
+    from minidcut.explain import explain
+    from minidcut.stats import Stats
+
+    p = Policy.dcut(CostTable([4], RHOS, [[1.0, 3.0, 3.2, 3.4, 3.6]]), RHOS, calibrate=False)
+    stats = Stats()
+    for _ in range(4):
+        rec = drafting(4, 0.25, 6.0, accepted=6)
+        p.observe(rec)
+        stats.add(rec, 15, 15, 1.0)
+    assert p.skip(4).state == "off" and p.skip(4).usual_accepted == pytest.approx(1.5)
+    said = [line for line in explain(stats, p) if line.startswith("drafting is off")]
+    assert said and "committed 2.50 tokens per request per step, where the cheapest costs 3.0 AR steps" in said[0]
