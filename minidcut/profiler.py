@@ -129,7 +129,7 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
 
 def worth_measuring(table: CostTable, rhos: list[float], b: int, steps_left: int) -> bool:
     """Whether measuring bucket b's row can pay for itself in this run. measure_live times each rho
-    about 1 + LIVE_SAMPLES times (a first run, then up to LIVE_SAMPLES), so it takes about that many
+    about 1 + LIVE_SAMPLES times (an untimed run, then up to LIVE_SAMPLES), so it takes about that many
     times the row's seconds summed; the live rows have at most steps_left AR steps left. If measuring
     takes longer than those, no speedup can win it back (a batch's tail: its last rows). Both are
     priced at the nearest larger bucket the table has, which overestimates each; without one (a
