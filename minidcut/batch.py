@@ -68,11 +68,12 @@ class Batch:
     def live(self) -> list[int]:
         return [i for i, r in enumerate(self.requests) if r is not None]
 
-    def place(self, rows: list[int], requests: list[Request]) -> None:
-        """Requests enter rows after their prefill, which wrote the drafter's context of the prompt and
-        the rows' device state (the first token as the anchor, right after the prompt)."""
+    def place(self, rows: list[int], requests: list[Request], synced: bool = True) -> None:
+        """Requests enter rows after their prefill, which wrote the rows' device state (the first token
+        as the anchor, right after the prompt) and the drafter's context of the prompt (synced) or only
+        held its taps (not synced: the prompt is caught up like skipped steps)."""
         for row, r in zip(rows, requests):
-            self.requests[row], self.synced[row] = r, len(r.prompt)
+            self.requests[row], self.synced[row] = r, len(r.prompt) if synced else 0
         self.version += 1
 
     def free(self, row: int) -> None:

@@ -227,7 +227,9 @@ class Engine:
         if free:
             t0 = time.perf_counter()
             new = [pending.popleft() for _ in free]
-            first = self.prefill(free, new, batch).tolist()
+            # Where drafting is off the drafter's context of the prompts waits, like skipped steps'.
+            context = not self.policy.drafting_off(self.bucket_for(max(batch.live + free) + 1))
+            first = self.prefill(free, new, batch, context).tolist()
             for row, tok in zip(free, first):
                 self.emit(batch, row, [tok], stats, on_finish)
             stats.seconds["prefill"] += time.perf_counter() - t0
@@ -440,10 +442,12 @@ class Engine:
         return commit, accepted + 1, bonus[:, 0], new_pos
 
     @torch.inference_mode()
-    def prefill(self, rows: list[int], requests: list[Request], batch: Batch | None = None) -> torch.Tensor:
+    def prefill(self, rows: list[int], requests: list[Request], batch: Batch | None = None,
+                context: bool = True) -> torch.Tensor:
         """Run the prompts of `requests` into cache `rows` (eager, one padded batch), with the drafter's
-        context for them; returns the first generated token of each [n]. Its host inputs go over in
-        one copy. With a batch: the requests take the rows there, each first token as its anchor."""
+        context for them (context=False: only their taps held, for a later catch-up); returns the first
+        generated token of each [n]. Its host inputs go over in one copy. With a batch: the requests
+        take the rows there, each first token as its anchor."""
         lengths = [len(r.prompt) for r in requests]
         layout, last = prefill_layout(rows, lengths)
         for part in (layout.row, layout.pos, layout.slot, last, [t for r in requests for t in r.prompt],
@@ -453,11 +457,11 @@ class Engine:
         layout = dataclasses.replace(layout, row=row, pos=pos, slot=slot)
         logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.taps)
         if self.drafter is not None:
-            self.drafter.add_context(taps, layout.row, layout.pos)
+            self.drafter.add_context(taps, layout.row, layout.pos, kv=context)
         first = sample(logits, self.temperature, self.top_p, sample_keys(self.seed, ids, lengths))
         if batch is not None:
             batch.anchor[idx], batch.anchor_pos[idx], batch.request_ids[idx] = first, lengths, ids
-            batch.place(rows, requests)
+            batch.place(rows, requests, synced=context)
         return first
 
     def reachable(self, max_batch: int | None = None, min_batch: int = 1) -> list[tuple]:

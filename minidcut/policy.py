@@ -120,6 +120,12 @@ class Policy:
         self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.depth, **self._skip_kw)
         return self.skipping[bucket]
 
+    def drafting_off(self, bucket: int) -> bool:
+        """Whether the bucket's skip controller has drafting off (or never drafts there): a prefill
+        there leaves the drafter's context of its prompts to the next catch-up."""
+        skip = self.skip(bucket)
+        return skip is not None and (skip.state == "off" or not skip.possible)
+
     def plan(self, bucket: int, unsynced: int = 0, n_live: int | None = None, usable: int | None = None) -> StepPlan:
         """What the next step at `bucket` runs: whether it drafts (never without the bucket's costs),
         and the draft graph's inputs. unsynced: positions whose drafter context a draft would first

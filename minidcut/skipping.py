@@ -22,7 +22,8 @@ context of every position committed while drafting was off (the catch-up, priced
 last one measured it). Each AR step while off earns PROBE_BUDGET of its seconds; a probe runs once
 those earnings pay its price at that step, and never sooner than probe_every steps. The catch-up
 grows with every skipped step, so where it grows faster than the earnings a probe waits for rows
-that have little to catch up (requests admitted since: a prefill writes the prompt's context).
+that have little to catch up (requests admitted since: their prompts, held at the prefill, and
+nothing more).
 
 Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
 Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the

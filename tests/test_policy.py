@@ -497,3 +497,15 @@ def test_the_summary_of_a_bucket_where_drafting_is_off_says_what_drafting_commit
     assert p.skip(4).state == "off" and p.skip(4).usual_accepted == pytest.approx(1.5)
     said = [line for line in explain(stats, p) if line.startswith("drafting is off")]
     assert said and "committed 2.50 tokens per request per step, where the cheapest costs 3.0 AR steps" in said[0]
+
+
+def test_drafting_off_says_where_a_prefill_may_leave_the_drafters_context_for_later():
+    p = Policy.dcut(steep_table(), RHOS, patience=2)
+    assert not p.drafting_off(16) and not p.drafting_off(32)  # drafting on; 32: no row, no controller
+    for _ in range(2):
+        p.plan(16)
+        p.observe(drafting(16, 0.25, 0.0))
+    assert p.drafting_off(16) and not p.drafting_off(64)
+    assert Policy.dcut(CostTable([64], RHOS, [[1.0, 20.0, 21.0, 22.0, 23.0]]), RHOS).drafting_off(64)  # never drafts
+    assert not Policy.dcut(steep_table(), RHOS, skip_drafting=False).drafting_off(16)
+    assert not Policy.static(0.5).drafting_off(16) and not Policy.ar().drafting_off(16)

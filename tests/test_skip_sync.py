@@ -101,6 +101,33 @@ def test_a_step_that_does_not_draft_runs_none_of_the_drafters_layers(pair):
     assert per_step[5][:2] == [7, 10]  # step 6 drafts: first the catch-up of 2 rows x 5 positions
 
 
+class OffThenDrafts(SkipsThenDrafts):
+    """SkipsThenDrafts whose drafting is off (as a skip controller's state says) until it drafts."""
+
+    def drafting_off(self, bucket):
+        return self.skips > 0
+
+
+@torch.inference_mode()
+def test_a_prefill_where_drafting_is_off_leaves_the_prompts_context_to_the_catch_up(pair):
+    """Where drafting is off a prefill runs none of the drafter's layers either: it holds the prompts'
+    taps, and the first drafting step writes their context with the skipped steps'. The context then
+    matches the one computed from scratch, and the tokens are AR's."""
+    target, drafter = pair
+    fused = []  # tokens through fc, per call
+    drafter.fc.register_forward_hook(lambda m, args, out: fused.append(args[0].shape[0]))
+    prompts, per_step = [[3, 4, 5], [6, 7, 8, 9]], []
+    policy = OffThenDrafts(skips=5)
+    engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
+    outputs, stats = engine.generate(prompts, 20, on_step=lambda s, rec: per_step.append(list(fused)))
+    assert per_step[4] == []  # the prefill and 5 skipped steps: no fc
+    assert per_step[5][0] == 7 + 10  # the catch-up: 3 + 4 prompt positions, and 2 rows x 5 steps
+    assert policy.unsynced[:6] == [7, 9, 11, 13, 15, 17] and policy.catchups[5][1] == 17
+    assert context_kv_error(target, drafter, prompts, outputs) < 1e-4
+    ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=64, eos_ids=[], compile=False).generate(prompts, 20)
+    assert outputs == ar
+
+
 @torch.inference_mode()
 def test_the_engine_reports_each_steps_seconds_to_the_policy(pair):
     """Cost calibration needs the loop's measured step seconds: drafting steps and AR steps both."""
