@@ -164,16 +164,17 @@ class Engine:
         moved = self.compact(batch) if not pending else []  # [src rows + dst rows], on the host so far
         b = self.bucket_for(batch.live[-1] + 1)
         rows = batch.live
-        if self.drafter is not None and self.policy.needs_row(b):
-            if not profiler.worth_measuring(self.policy.table, self.policy.rhos, b, batch.steps_left):
-                stats.unmeasured.setdefault(b, batch.steps_left)  # a batch's last rows: AR steps
-            else:
+        if self.drafter is not None and b not in stats.unmeasured and self.policy.needs_row(b):
+            left = batch.steps_left
+            if profiler.worth_measuring(self.policy.table, self.policy.rhos, b, left):
                 if moved:  # first: the measured steps run on the rows in place
                     self.staging.put(moved)
                     self.move_rows(batch, *self.staging.send())
                     moved = []
                 measuring = profiler.measure_row(self, batch, b)
                 stats.seconds["profile"] += measuring
+            else:  # a batch's last rows: AR steps at b for the rest of the run (decided once)
+                stats.unmeasured[b] = left
         usable = batch.usable(self.D) if self.policy.can_skip else None  # only a skip controller reads it
         plan = self.policy.plan(b, batch.n_unsynced, len(rows), usable) if self.drafter is not None else None
         drafting = plan is not None and plan.draft
