@@ -90,7 +90,8 @@ def bench_batch(B, specs, models, prompts, args, console) -> tuple[list[dict], d
     target, drafter = models[specs[0]]
     n = args.num_prompts or max(2 * B, 16)
     ids = (prompts * (n // len(prompts) + 1))[:n]
-    max_seq = cli.max_seq(ids, args.max_new_tokens, drafter.block_size, target.cfg.max_position_embeddings)
+    max_seq = cli.max_seq(ids, args.max_new_tokens, drafter.block_size, target.cfg.max_position_embeddings,
+                          args.compile)
     table, table_file = None, None
     if any(s.startswith("dcut") for s in specs):
         table, table_file = load_table(target, drafter, args.target, args.drafter, args.compile, max_seq,

@@ -16,7 +16,8 @@ from rich.console import Console
 
 from . import runtime
 from .config import ConfigError, load_drafter_config, load_model_config
-from .cost_model import CostTableError
+from .cost_model import SEQ_CLASS, CostTableError
+from .engine import SPAN_STEP
 from .loader import CheckpointError
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -117,12 +118,17 @@ def model_limits(target_dir, drafter_dir=None) -> tuple[int, int, int]:
     return cfg.vocab_size, cfg.max_position_embeddings, block
 
 
-def max_seq(prompts: list[list[int]], max_new_tokens: int, block: int, positions: int | None = None) -> int:
-    """Cache positions of a run: the longest prompt, its new tokens and one draft block, rounded up to
-    a multiple of 64 (within the target's `positions`) so that runs of similar lengths share a cost
-    table (a compiled step's attention reads every position, so its cost depends on them)."""
+def max_seq(prompts: list[list[int]], max_new_tokens: int, block: int, positions: int | None = None,
+            compile: bool = True) -> int:
+    """Cache positions of a run: the longest prompt, its new tokens and one draft block, rounded up
+    (within the target's `positions`). Compiled: to a multiple of SEQ_CLASS (64), so that runs of
+    similar lengths share graphs (a compiled step reads every position). Eager: to one of SPAN_STEP
+    (16) only; an eager step reads its span, yet attention over the same span of a longer cache takes
+    longer (7% with 256 positions against 192 on a CPU, docs/bench/README.md). Runs of similar lengths
+    share a cost table either way (cost_model.seq_class)."""
     need = max(map(len, prompts)) + max_new_tokens + block + 1
-    rounded = -(-need // 64) * 64
+    step = SEQ_CLASS if compile else SPAN_STEP
+    rounded = -(-need // step) * step
     return rounded if positions is None or rounded <= positions else need
 
 

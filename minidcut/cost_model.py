@@ -33,6 +33,7 @@ TABLE_DIR = Path(__file__).resolve().parent.parent / "compile_cache" / "cost_tab
 METHOD = 5
 MEMORY = 20  # a refined entry is the mean of its last ~20 steps' seconds
 CLAMP = 3.0  # one step counts at most this many times (or 1 / this) the entry's seconds
+SEQ_CLASS = 64  # a table serves every run whose cache positions round up to the same multiple of this
 
 
 class CostTableError(ValueError):
@@ -128,8 +129,8 @@ def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: b
                 sampling: str = "greedy") -> dict:
     """What a table's seconds depend on: a table measured under another fingerprint is not used
     (packed: linear layers packed for oneDNN, layers.is_packed; max_seq: the cache positions attention
-    reads (all of them when compiled; an eager step reads its live span); sampling: greedy, sampled or
-    top-p; method: how the seconds are measured, bumped when that changes so older tables are
+    reads (all of them when compiled; an eager step reads its live span), kept as their seq_class;
+    sampling: greedy, sampled or top-p; method: how the seconds are measured, bumped when that changes so older tables are
     measured again)."""
     def shape_hash(d) -> str:
         key = shape_key(d)
@@ -137,8 +138,15 @@ def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: b
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).replace("torch.", ""),
             "drafter_dtype": str(drafter_dtype or dtype).replace("torch.", ""), "compiled": bool(compiled),
-            "packed": bool(packed), "max_seq": int(max_seq), "sampling": sampling, "method": METHOD,
+            "packed": bool(packed), "max_seq": seq_class(max_seq), "sampling": sampling, "method": METHOD,
             "target_config": shape_hash(target_dir), "drafter_config": shape_hash(drafter_dir)}
+
+
+def seq_class(max_seq: int) -> int:
+    """The cache positions a table is keyed by: max_seq rounded up to a multiple of SEQ_CLASS, so that
+    runs of similar lengths share a table (an eager run sizes its cache closer to what it needs,
+    cli.max_seq)."""
+    return -(-int(max_seq) // SEQ_CLASS) * SEQ_CLASS
 
 
 def shape_key(d) -> bytes:

@@ -155,7 +155,7 @@ def run(args, console: Console) -> int:
                                       default=BUILTIN_PROMPTS)
     cli.check_prompts(prompts, args.max_new_tokens, vocab, positions, block, names)
     runtime.setup(args.threads)
-    max_seq = cli.max_seq(prompts, args.max_new_tokens, block, positions)
+    max_seq = cli.max_seq(prompts, args.max_new_tokens, block, positions, args.compile)
     def log(message: str) -> None:  # a cost table or saved state that is not used: one line, even with --quiet
         console.print(message, soft_wrap=True, highlight=False, markup=False)
     t0 = time.perf_counter()

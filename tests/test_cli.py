@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from minidcut import generate
+from minidcut.cli import max_seq
 from minidcut.cost_model import CostTable, fingerprint
 from minidcut.engine import Engine
 from minidcut.loader import load_target
@@ -86,6 +87,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 TEXTS = ["def add(a, b):\n", "class Stack:\n", "import os\n"]
+
+
+def test_an_eager_cache_is_sized_to_16_positions_and_a_compiled_one_to_64():
+    """Prompt 40 + 128 new tokens + a block of 16 + 1 = 185 positions: 192 eager (attention over a span
+    of a longer cache costs more), 192 compiled too; 201 of them: 208 eager, 256 compiled; and never
+    past the target's positions."""
+    prompts = [[1] * 40, [2] * 7]
+    assert max_seq(prompts, 128, 16, compile=False) == 192 and max_seq(prompts, 128, 16) == 192
+    assert max_seq(prompts, 144, 16, compile=False) == 208 and max_seq(prompts, 144, 16) == 256
+    assert max_seq(prompts, 144, 16, positions=250) == 201 == max_seq(prompts, 144, 16, 201, False)
 
 
 def test_output_jsonl_has_index_ids_and_text_in_input_order(models, capsys, tmp_path):

@@ -84,6 +84,13 @@ def test_table_path_names_device_models_dtype_and_positions_and_changes_with_the
     assert table_path(fp_of(tmp_path), tmp_path / "target", tmp_path / "drafter", tmp_path) != path
 
 
+def test_runs_whose_caches_round_up_to_the_same_64_positions_share_a_table(tmp_path):
+    """An eager run sizes its cache to a multiple of 16 (cli.max_seq): 208 and 256 positions are one
+    table, 272 another."""
+    key = lambda n: fingerprint("cpu", tmp_path, tmp_path, torch.float32, False, max_seq=n)["max_seq"]  # noqa: E731
+    assert key(193) == key(208) == key(256) == 256 and key(272) == 320 and key(64) == 64
+
+
 def test_a_drafter_that_gains_a_draft_vocabulary_gets_a_new_table_and_new_weights_keep_it(tmp_path):
     """Step costs follow the checkpoint's tensor shapes too: a draft vocabulary shrinks the draft's
     lm_head, so the table name and fingerprint change; retrained weights of the same shapes keep both."""

@@ -3,7 +3,8 @@ accept; rho = 0 is an AR step without drafting) for every (batch size, rho), on 
 (target, drafter, dtype, threads, compiled or eager, cache positions). Drafting steps' medians are made
 nondecreasing in rho (a dip is noise; the raw medians stay in the metadata). Written under
 compile_cache/cost_tables/, where a greedy dcut run with the same settings finds it (its fingerprint;
-a run's cache positions are its longest prompt + new tokens + a block, rounded up to a multiple of 64).
+a table serves every run whose cache positions, its longest prompt + new tokens + a block, round up
+to the same multiple of 64: --max-seq 256 serves runs that need 193 to 256).
 Runs need no such table: they measure the rows they reach (profiler.measure_live); this one measures
 every row and rho, with more repeats.
 
