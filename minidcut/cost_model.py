@@ -129,7 +129,8 @@ def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: b
                 sampling: str = "greedy") -> dict:
     """What a table's seconds depend on: a table measured under another fingerprint is not used
     (packed: linear layers packed for oneDNN, layers.is_packed; max_seq: the cache positions attention
-    reads (all of them when compiled; an eager step reads its live span), kept as their seq_class;
+    reads: all of them when compiled, kept as they are; an eager step reads its live span, kept as
+    their seq_class;
     sampling: greedy, sampled or top-p; method: how the seconds are measured, bumped when that changes so older tables are
     measured again)."""
     def shape_hash(d) -> str:
@@ -138,14 +139,15 @@ def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: b
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).replace("torch.", ""),
             "drafter_dtype": str(drafter_dtype or dtype).replace("torch.", ""), "compiled": bool(compiled),
-            "packed": bool(packed), "max_seq": seq_class(max_seq), "sampling": sampling, "method": METHOD,
+            "packed": bool(packed), "max_seq": int(max_seq) if compiled else seq_class(max_seq), "sampling": sampling, "method": METHOD,
             "target_config": shape_hash(target_dir), "drafter_config": shape_hash(drafter_dir)}
 
 
 def seq_class(max_seq: int) -> int:
-    """The cache positions a table is keyed by: max_seq rounded up to a multiple of SEQ_CLASS, so that
-    runs of similar lengths share a table (an eager run sizes its cache closer to what it needs,
-    cli.max_seq)."""
+    """The cache positions an eager run's table is keyed by: max_seq rounded up to a multiple of
+    SEQ_CLASS, so that runs of similar lengths share a table (an eager run sizes its cache closer to
+    what it needs, cli.max_seq; a compiled run's graphs read every position, so its table is keyed by
+    the positions themselves, which cli.max_seq rounds to SEQ_CLASS within the target's)."""
     return -(-int(max_seq) // SEQ_CLASS) * SEQ_CLASS
 
 

@@ -28,7 +28,8 @@ each way of its own. `ar` runs the verify graph with K = 0 (one token per row) a
 
 Attention span: a compiled graph's attention reads every cache position (static shapes); an eager
 step reads only the positions up to the live rows' furthest token, rounded up to SPAN_STEP
-(Engine.span), so on a CPU a run pays for its context, not for the cache it allocated.
+(Engine.span), so on a CPU a run pays mostly for its context, not for the cache it allocated (a
+longer cache still slows the same span's attention somewhat: cli.max_seq sizes eager caches tightly).
 docs/walkthrough.md follows one step through this file.
 """
 
@@ -104,8 +105,8 @@ class Engine:
     def span(self, reach: int) -> int | None:
         """Cache positions a step's attention reads when its furthest token sits at position reach - 1.
         Eager: those, rounded up to a multiple of SPAN_STEP (attention's time grows with the positions
-        read, so a run pays for its context, not for its cache). Compiled: None, all of them (one
-        static shape per graph)."""
+        read, so a run pays mostly for its context, not for its cache). Compiled: None, all of them
+        (one static shape per graph)."""
         return None if self.compile else min(self.max_seq, -(-reach // SPAN_STEP) * SPAN_STEP)
 
     def draft_span(self, reach: int) -> int | None:

@@ -86,9 +86,12 @@ def test_table_path_names_device_models_dtype_and_positions_and_changes_with_the
 
 def test_runs_whose_caches_round_up_to_the_same_64_positions_share_a_table(tmp_path):
     """An eager run sizes its cache to a multiple of 16 (cli.max_seq): 208 and 256 positions are one
-    table, 272 another."""
-    key = lambda n: fingerprint("cpu", tmp_path, tmp_path, torch.float32, False, max_seq=n)["max_seq"]  # noqa: E731
+    table, 272 another. A compiled run's graphs read every position: its table is keyed by them (a
+    target with 250 positions caps 201 and 240 apart)."""
+    key = lambda n, compiled=False: fingerprint("cpu", tmp_path, tmp_path, torch.float32, compiled,  # noqa: E731
+                                                max_seq=n)["max_seq"]
     assert key(193) == key(208) == key(256) == 256 and key(272) == 320 and key(64) == 64
+    assert key(256, True) == 256 and key(201, True) == 201 and key(240, True) == 240
 
 
 def test_a_drafter_that_gains_a_draft_vocabulary_gets_a_new_table_and_new_weights_keep_it(tmp_path):
