@@ -130,16 +130,16 @@ def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: b
     """What a table's seconds depend on: a table measured under another fingerprint is not used
     (packed: linear layers packed for oneDNN, layers.is_packed; max_seq: the cache positions attention
     reads: all of them when compiled, kept as they are; an eager step reads its live span, kept as
-    their seq_class;
-    sampling: greedy, sampled or top-p; method: how the seconds are measured, bumped when that changes so older tables are
-    measured again)."""
+    their seq_class; sampling: greedy, sampled or top-p; method: how the seconds are measured, bumped
+    when that changes so older tables are measured again)."""
     def shape_hash(d) -> str:
         key = shape_key(d)
         return hashlib.sha1(key).hexdigest()[:12] if key else "none"
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).replace("torch.", ""),
             "drafter_dtype": str(drafter_dtype or dtype).replace("torch.", ""), "compiled": bool(compiled),
-            "packed": bool(packed), "max_seq": int(max_seq) if compiled else seq_class(max_seq), "sampling": sampling, "method": METHOD,
+            "packed": bool(packed), "max_seq": int(max_seq) if compiled else seq_class(max_seq),
+            "sampling": sampling, "method": METHOD,
             "target_config": shape_hash(target_dir), "drafter_config": shape_hash(drafter_dir)}
 
 
