@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 TABLE_DIR = Path(__file__).resolve().parent.parent / "compile_cache" / "cost_tables"
-# METHOD 5: skip states learned from rows at their ends are not reused; 4: a step that does not draft runs
+# METHOD 6: the skip decision is a confidence bound (skipping.Evidence); 5: skip states learned from rows at their ends are not reused; 4: a step that does not draft runs
 # no fc; 3: a row prunes by full rows; 2: by the rows measured on
-METHOD = 5
+METHOD = 6
 MEMORY = 20  # a refined entry is the mean of its last ~20 steps' seconds
 CLAMP = 3.0  # one step counts at most this many times (or 1 / this) the entry's seconds
 SEQ_CLASS = 64  # a table serves every run whose cache positions round up to the same multiple of this
@@ -61,6 +61,10 @@ class CostTable:
             raise CostTableError("cost table has non-positive or non-finite entries")
         if sorted(self.batch_sizes) != self.batch_sizes or sorted(self.rhos) != self.rhos:
             raise CostTableError("cost table batch_sizes and rhos must be increasing")
+        for B, row in zip(self.batch_sizes, self.seconds):  # a row is cut short after its first entry, never before
+            if self.rhos and math.isinf(row[0]):
+                raise CostTableError(f"cost table row B = {B} has no rho = {self.rhos[0]:g} entry (null): "
+                                     "every row starts with a measured step")
         if self.samples is None or np.shape(self.samples) != s.shape:
             self.samples = [[1] * len(self.rhos) for _ in self.batch_sizes]
         self.samples = [[max(1, int(n)) for n in row] for row in self.samples]

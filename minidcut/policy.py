@@ -53,6 +53,9 @@ class StepRecord:
     caught_up: int = 0  # positions that catch-up wrote
     redraft: float = 0.0  # seconds of a draft made afresh on top of the step's own (its rows changed)
     usable: int | None = None  # drafts the live rows could still emit (Batch.usable; None: not known)
+    timed: bool = False  # a profiler's timed step (profiler.measure_row): rows that do not advance, so its
+    #                      repeats are one state, not independent samples: calibration learns from it, the
+    #                      skip decision does not
 
 
 class Policy:
@@ -68,7 +71,7 @@ class Policy:
         if name == "dcut" and table is None:
             raise ValueError("the dcut policy needs a cost table")
         self.count_anchors = count_anchors  # gain = expected committed tokens (anchors counted)
-        self.depth = 15  # D of the drafter it runs with: the engine sets it
+        self._depth = 15  # D of the drafter it runs with: the engine sets it (Policy.depth)
         self.label = label or (f"static:{self.rhos[0]:g}" if name == "static" else name)
         self.calibration = Calibration(enabled=calibrate)
         self.can_skip = skip_drafting and name == "dcut" and self.rhos[0] == 0.0 and len(self.rhos) > 1
@@ -92,6 +95,18 @@ class Policy:
              skip_drafting=True, **kw):
         return cls("dcut", rhos, table, count_anchors=count_anchors, calibrate=calibrate,
                    skip_drafting=skip_drafting, **kw)
+
+    @property
+    def depth(self) -> int:
+        """D, the drafts per block of the drafter the policy runs with; setting it (the engine does)
+        reaches the skip controllers already made, restored ones included."""
+        return self._depth
+
+    @depth.setter
+    def depth(self, D: int) -> None:
+        self._depth = D
+        for skip in self.skipping.values():
+            skip.D = D
 
     @property
     def needs_drafter(self) -> bool:

@@ -145,8 +145,8 @@ def worth_measuring(table: CostTable, rhos: list[float], b: int, steps_left: int
 def measure_row(engine, batch, b: int) -> float:
     """Measure the engine's policy's missing cost row at bucket b on the batch's live rows (their
     outputs and positions are left as they were), add it to the table, and let the policy learn from
-    what the timed drafting steps would have accepted (no seconds: they are not the loop's). Returns
-    its seconds."""
+    what the timed drafting steps would have accepted (no seconds: they are not the loop's; marked
+    timed: the skip decision waits for the loop's own steps). Returns its seconds."""
     t0 = time.perf_counter()
     engine.catch_up(batch)  # drafting steps need the drafter's whole context
     rows = batch.live
@@ -156,7 +156,7 @@ def measure_row(engine, batch, b: int) -> float:
     usable = batch.usable(engine.D)
     for rho, predicted, accepted in seen:
         engine.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
-                                         accepted=accepted, usable=usable))
+                                         accepted=accepted, usable=usable, timed=True))
     return time.perf_counter() - t0
 
 

@@ -4,26 +4,31 @@ The paper's rule picks how much to verify once a block is drafted; at a large ba
 can lose, because the draft itself costs time. This controller decides apart from the rule, with an
 explicit state:
 
-  drafting   every step drafts. After each drafting step the tokens it committed per row are
-             compared with what AR steps commit in the same time; the differences,
-             weighted by the step's share of live rows, are summed with a decay (RUN_DECAY per
-             drafting step: the sum remembers drafting steps, probes included, not AR steps). When the
-             sum is negative (after `patience` drafting steps), drafting goes off.
-  off        AR steps. A step probes once the AR steps since drafting went off have earned its price.
-  probing    one drafting step; if it tips the sum above zero drafting is on again, else off again.
+  drafting   every step drafts. Each drafting step is one sample of its gain over AR: the tokens it
+             committed per row less what AR steps commit in the same time, weighted by the step's
+             share of live rows. Drafting goes off only when the evidence says, with CONFIDENCE, that
+             the mean gain is below zero: the one-sided upper confidence bound of the samples' mean
+             (Student's t, the samples weighted by RUN_DECAY per drafting step) lies below zero,
+             after at least `patience` drafting steps.
+  off        AR steps. A probe runs once the AR steps since drafting went off have earned its price.
+  probing    one drafting step; its sample joins the evidence, and drafting is on again unless the
+             evidence still says, with the same confidence, that drafting loses.
 
-The sum never falls below -FLOOR: probes that keep losing pile up evidence, so one lucky probe does not
-turn drafting back on (each false start costs several losing drafting steps), while a lasting change
-(prompts the drafter suits) turns it on within a few probes.
+Drafting is the default and off the decision that needs evidence: a handful of poor first steps on a
+noisy machine (single steps spread 30 % on a 2-core CPU) does not switch it off unless they are
+consistently poor, and where it does go off, the first probe that does well turns it back on. Where
+drafting clearly loses, the bound stays far below zero and a lucky probe changes nothing.
 
-A probe costs a drafting step instead of an AR step (priced at the dearest budget the rule may pick),
-gains the drafts drafting usually gets accepted (a long running mean), and first writes the drafter's
-context of every position committed while drafting was off (the catch-up, priced per position as the
-last one measured it). Each AR step while off earns PROBE_BUDGET of its seconds; a probe runs once
-those earnings pay its price at that step, and never sooner than probe_every steps. The catch-up
-grows with every skipped step, so where it grows faster than the earnings a probe waits for rows
-that have little to catch up (requests admitted since: their prompts, held at the prefill, and
-nothing more).
+Probes are paid from a budget set by the room to win: the tokens per second the best budget would
+commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5 at B = 64). Each AR
+step while off earns PROBE_SHARE of what drafting could save there at best, (room - 1) AR steps'
+worth of its seconds, and a probe runs once those earnings pay its price (never sooner than
+probe_every steps). Where drafting never pays, probing thus costs at most PROBE_SHARE * (room - 1) of
+the run; where it might win much, probes come often. A probe's price is a drafting step at the
+dearest budget the rule may pick, less what drafting usually commits (a long running mean), plus the
+catch-up of the drafter's context it must write first (priced per position as the last one took).
+The catch-up grows with every skipped step, so where it grows faster than the earnings a probe waits
+for rows that have little to catch up (requests admitted since).
 
 Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
 Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
@@ -36,15 +41,60 @@ counted: it says nothing about drafting at this batch size.
 
 from __future__ import annotations
 
+import math
+import statistics
+
 from .dcut import budget
 
-PROBE_BUDGET = 0.01  # the share of decode time probing may cost while drafting is off
-RUN_DECAY = 0.98  # memory of the drafting-vs-AR sum: ~50 drafting steps (one step's acceptance is noisy)
-FLOOR = 2.0  # the sum's lower bound, in tokens per row: a probe alone turns drafting on only above it
+CONFIDENCE = 0.95  # drafting goes off when its mean gain over AR is below zero at this one-sided confidence
+RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (~50 steps, probes included)
+PROBE_SHARE = 0.02  # probing spends at most this share of what drafting could save at best (room - 1)
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
 
+STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted")  # what is saved
 
-STATE = ("state", "margin", "drafting_steps", "skipped", "catchup_per_position", "accepted")  # what is saved
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile at probability p with df degrees of freedom: the Cornish-Fisher expansion
+    around the normal quantile z to 1 / df^3 (at p = 0.95: within 0.3 % of the exact value for df >= 3,
+    1.2 % at df = 2, 12 % low at df = 1)."""
+    z = statistics.NormalDist().inv_cdf(p)
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+
+
+class Evidence:
+    """Exponentially weighted samples (weight RUN_DECAY ** age): their mean, its standard error and the
+    effective number of samples. As data: [sum w, sum w x, sum w x^2, sum w^2]."""
+
+    def __init__(self, sums=(0.0, 0.0, 0.0, 0.0)):
+        self.sums = [float(x) for x in sums]
+        if len(self.sums) != 4:
+            raise ValueError("evidence must be [sum w, sum w x, sum w x^2, sum w^2]")
+
+    def add(self, x: float) -> None:
+        w, wx, wxx, ww = (s * d for s, d in zip(self.sums, (RUN_DECAY, RUN_DECAY, RUN_DECAY, RUN_DECAY ** 2)))
+        self.sums = [w + 1.0, wx + x, wxx + x * x, ww + 1.0]
+
+    @property
+    def n(self) -> float:
+        """Effective number of samples, (sum w)^2 / sum w^2 (at most (1 + RUN_DECAY) / (1 - RUN_DECAY))."""
+        w, _, _, ww = self.sums
+        return w * w / ww if ww > 0 else 0.0
+
+    @property
+    def mean(self) -> float:
+        w, wx, _, _ = self.sums
+        return wx / w if w > 0 else 0.0
+
+    def upper(self, confidence: float = CONFIDENCE) -> float:
+        """One-sided upper confidence bound of the mean (inf with one sample: no spread to go by)."""
+        w, wx, wxx, ww = self.sums
+        n = self.n
+        if n < 1.5:  # two samples weigh n = 1.9998 (their weights differ by RUN_DECAY)
+            return float("inf")
+        var = max(0.0, wxx / w - self.mean ** 2) * n / (n - 1)  # unbiased for reliability weights
+        return self.mean + t_quantile(confidence, n - 1) * math.sqrt(var / n)
 
 
 class SkipDrafting:
@@ -53,7 +103,7 @@ class SkipDrafting:
         self.patience, self.probe_every = patience, probe_every
         self.rho_min = min(r for r in rhos if r > 0)
         self.state = "drafting" if self.possible else "off"
-        self.margin = 0.0  # decayed sum of (committed - AR-equivalent) tokens per row
+        self.evidence = Evidence()  # drafting steps' gain over AR, tokens per row
         self.drafting_steps = 0
         self.skipped = 0  # AR steps since drafting went off
         self.catchup_per_position = 0.0  # seconds the last catch-up of the drafter's context took a position
@@ -69,28 +119,34 @@ class SkipDrafting:
         """Whether some rho > 0 would beat an AR step if every kept draft were accepted."""
         return self.pays(self.cost)
 
-    def pays(self, cost: dict[float, float], n_live: int | None = None, usable: int | None = None) -> bool:
-        """possible, at these seconds by rho, for n_live rows that can still emit `usable` drafts
-        (default: every row of the batch size, a whole block each)."""
+    def room(self, cost: dict[float, float], n_live: int | None = None, usable: int | None = None) -> float:
+        """Tokens per second of the best budget at full acceptance over an AR step's, for n_live rows
+        that can still emit `usable` drafts (default: every row of the batch size, a whole block each)."""
         n = self.B if n_live is None else n_live
         u = n * self.D if usable is None else usable
-        return any((n + min(budget(r, self.B, self.D), u)) / cost[r] > n / cost[0.0] for r in self.rhos if r > 0)
+        best = max((n + min(budget(r, self.B, self.D), u)) / cost[r] for r in self.rhos if r > 0)
+        return best / (n / cost[0.0])
+
+    def pays(self, cost: dict[float, float], n_live: int | None = None, usable: int | None = None) -> bool:
+        """possible, at these seconds by rho, for these rows (room's arguments)."""
+        return self.room(cost, n_live, usable) > 1.0
 
     @property
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in STATE}
+        return {k: getattr(self, k) if k != "evidence" else self.evidence.sums for k in STATE}
 
     def load_state(self, saved: dict) -> None:
         """Continue from a saved state_dict (KeyError / ValueError / TypeError if it is not one). A
         bucket whose table now says drafting is impossible stays off."""
         if saved["state"] not in ("drafting", "off", "probing"):
             raise ValueError(f"unknown skip state {saved['state']!r}")
-        self.state = saved["state"] if self.possible else "off"
-        self.margin, self.catchup_per_position = float(saved["margin"]), float(saved["catchup_per_position"])
-        self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
-        self.accepted = [float(x) for x in saved["accepted"]]
-        if len(self.accepted) != 2:
+        evidence, accepted = Evidence(saved["evidence"]), [float(x) for x in saved["accepted"]]
+        if len(accepted) != 2:
             raise ValueError("skip state: accepted must be [drafts, rows]")
+        self.state = saved["state"] if self.possible else "off"
+        self.evidence, self.accepted = evidence, accepted
+        self.catchup_per_position = float(saved["catchup_per_position"])
+        self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:
         """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
@@ -103,6 +159,12 @@ class SkipDrafting:
         before any)."""
         return self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
 
+    @property
+    def losing(self) -> bool:
+        """Whether the evidence says, with CONFIDENCE, that drafting steps commit fewer tokens than AR
+        steps in the same time."""
+        return self.evidence.upper() < 0.0
+
     def probe_price(self, unsynced: int = 0, cost: dict[float, float] | None = None) -> float:
         """Seconds a probe loses to an AR step at most: its step at the dearest budget the rule may pick
         (a measured one: unmeasured entries are never picked) less what drafting usually commits, plus
@@ -112,12 +174,15 @@ class SkipDrafting:
         return dearest - cost[0.0] * (1.0 + self.usual_accepted) + self.catchup_per_position * unsynced
 
     def probe_period(self, unsynced: int = 0, cost: dict[float, float] | None = None) -> int:
-        """AR steps a probe waits for while `unsynced` positions would need catching up: its price
-        over each AR step's PROBE_BUDGET of its seconds, at least probe_every."""
+        """AR steps a probe waits for while `unsynced` positions would need catching up: its price over
+        what each AR step earns toward it, PROBE_SHARE of (room - 1) AR steps' seconds; at least
+        probe_every."""
         cost = cost or self.cost
-        if not self.pays(cost):
+        room = self.room(cost)
+        if room <= 1.0:
             return self.probe_every
-        return max(self.probe_every, int(self.probe_price(unsynced, cost) / (PROBE_BUDGET * cost[0.0])) + 1)
+        earned = PROBE_SHARE * (room - 1.0) * cost[0.0]
+        return max(self.probe_every, int(self.probe_price(unsynced, cost) / earned) + 1)
 
     def gain_over_ar(self, rec) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
@@ -146,19 +211,19 @@ class SkipDrafting:
         """Learn from one StepRecord of this batch size."""
         if rec.caught_up > 0:
             self.catchup_per_position = rec.catchup / rec.caught_up
-        if not rec.drafted or rec.usable is not None and not self.pays(self.cost, rec.n_live, rec.usable):
-            return  # rows that could not pay even at full acceptance say nothing about drafting here
-        kept = rec.rho > 0
-        if kept:
+        if not rec.drafted or rec.timed or rec.usable is not None and not self.pays(self.cost, rec.n_live, rec.usable):
+            return  # rows that could not pay even at full acceptance say nothing about drafting here, and
+            #         the profiler's timed steps repeat one state of rows that do not advance
+        if rec.rho > 0:
             self.accepted = [ACCEPTED_DECAY * self.accepted[0] + rec.accepted,
                              ACCEPTED_DECAY * self.accepted[1] + rec.n_live]
         # A step with few live rows (a batch's tail, where each keeps more of the budget) counts for
         # what it commits: its gain per row is weighted by its share of the batch's rows.
-        self.margin = max(-FLOOR, RUN_DECAY * self.margin + self.gain_over_ar(rec) * rec.n_live / self.B)
+        self.evidence.add(self.gain_over_ar(rec) * rec.n_live / self.B)
         self.drafting_steps += 1
-        if self.state == "drafting" and self.margin < 0 and self.drafting_steps >= self.patience:
+        if self.state == "drafting" and self.drafting_steps >= self.patience and self.losing:
             self.state = "off"
         elif self.state == "probing":
-            self.state = "drafting" if self.margin > 0 else "off"
+            self.state = "off" if self.losing else "drafting"
         if self.state == "off":
             self.skipped = 0

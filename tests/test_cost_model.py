@@ -244,11 +244,14 @@ def test_a_row_measured_on_rows_at_their_end_teaches_the_skip_controller_nothing
     profiler.measure_row(engine, batch, 2)
     skip = policy.skip(2)
     assert policy.table.row(2, RHOS) is not None and skip.possible
-    assert skip.state == "drafting" and skip.drafting_steps == 0 and skip.margin == 0.0
+    assert skip.state == "drafting" and skip.drafting_steps == 0 and skip.evidence.n == 0.0
+
+
+NULL_AR = json.dumps({"batch_sizes": [1], "rhos": RHOS, "seconds": [[None, 1.0, 1.1, 1.2, 1.3]]})
 
 
 @pytest.mark.parametrize("content, needle", [("{not json", "corrupt"), ('{"batch_sizes": [1]}', "corrupt"),
-                                             (None, "threads 99 != ")])
+                                             (NULL_AR, "no rho = 0 entry"), (None, "threads 99 != ")])
 def test_a_corrupt_or_foreign_table_is_ignored_with_one_line_and_replaced(pair, content, needle):
     target, drafter, root = pair
     path = root / "table.json"
@@ -261,6 +264,13 @@ def test_a_corrupt_or_foreign_table_is_ignored_with_one_line_and_replaced(pair, 
     out, _, policy = run(root, target, drafter, [[3, 4, 5]], path, 4, log=said.append)
     assert len(said) == 1 and needle in said[0] and "\n" not in said[0]
     assert CostTable.load(path).meta["fingerprint"]["threads"] == torch.get_num_threads()
+
+
+def test_a_row_without_its_ar_step_is_refused():
+    """A null rho = 0 entry would price an AR step at infinity: drafting could never switch off."""
+    with pytest.raises(CostTableError, match="row B = 4 has no rho = 0 entry"):
+        CostTable([1, 4], RHOS, [[1.0] * 5, [math.inf, 1.0, 1.1, 1.2, 1.3]])
+    CostTable([4], RHOS, [[1.0, 1.1, math.inf, math.inf, math.inf]])  # cut short after rho = 0.25: fine
 
 
 def test_an_unusable_saved_state_is_ignored_with_one_line(pair):

@@ -13,7 +13,7 @@ from minidcut.generate import main as generate_main
 from minidcut.model import prefill_layout
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-PAIRS = [("llama-stdlib-4m", "llama-stdlib-4m-dflash"), ("qwen3moe-stdlib-7m", "qwen3moe-stdlib-7m-dflash")]
+PAIRS = [("llama-stdlib-4m", "llama-stdlib-4m-dflash")]  # the MoE family is tested on tiny configs (test_moe.py)
 
 
 @pytest.mark.parametrize("target,drafter", PAIRS)
@@ -46,3 +46,17 @@ def test_default_command_completes_code_with_the_shipped_pair(tmp_path, capsys):
                           "--policy", "full"]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 4 and all(len(r["output_ids"]) > 0 and r["text"] for r in rows)
+
+
+def test_the_tracked_tree_stays_small_enough_for_a_device_call():
+    """A device call carries the working tree (64 MiB at most); the tracked files keep well under it, at
+    most 40 MiB, so a call from a clean checkout has room for what it carries besides."""
+    import subprocess
+
+    root = MODELS.parent
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True)
+    if listed.returncode != 0:
+        pytest.fail("not a git checkout: the tree's size cannot be checked")
+    files = [root / f for f in listed.stdout.decode().split("\0") if f]
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    assert total <= 40 * 2**20, f"tracked files hold {total / 2**20:.1f} MiB"

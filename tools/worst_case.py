@@ -1,0 +1,155 @@
+"""dcut's worst runs, not only its median: `python -m minidcut.bench` repeated from empty cost tables.
+
+For each of --runs rounds and each batch size B, one bench process over every policy at B alone, with a
+cost-table file of its own that starts empty (as in a fresh checkout: dcut measures its rows and learns
+from nothing). Each run gives dcut / the best fixed policy of that run and dcut / AR (bench's summary:
+medians of its interleaved passes). Reported per B: the distribution over runs (minimum, 10th
+percentile, median; linear interpolation between order statistics, as numpy.percentile), which fixed
+policy was best, and how often dcut's drafting was off for most of its steps. The JSON is rewritten
+after every run, so a stopped measurement keeps what it has.
+
+    python tools/worst_case.py --runs 10 --batch-sizes 1,4,16,64 --output docs/bench/worst_case_demo.json
+    python tools/worst_case.py --runs 10 --target models/smollm2-135m-instruct \
+        --drafter models/smollm2-135m-instruct-dflash --chat --prompts models/prompts_mix_heldout.jsonl \
+        --output docs/bench/worst_case_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if __name__ == "__main__":  # run as a script: import from the repo root
+    sys.path[0] = str(ROOT)
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from minidcut import cli  # noqa: E402
+
+PASSED = ("target", "drafter", "prompts", "policies", "max_new_tokens", "num_prompts", "repeats", "threads")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=10, help="runs per batch size, each from an empty table (default: %(default)s)")
+    p.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated (default: %(default)s)")
+    p.add_argument("--target", default=str(cli.DEFAULT_TARGET), help="target directory (default: the demo target)")
+    p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="drafter directory (default: the demo drafter)")
+    p.add_argument("--prompts", default=str(cli.MODELS / "prompts_heldout.jsonl"),
+                   help="JSONL prompt file, as bench's --prompts (default: the held-out code prompts)")
+    p.add_argument("--chat", action="store_true", help="pass --chat to bench")
+    p.add_argument("--policies", default="ar,full,static:0.25,static:0.5,static:0.75,dcut",
+                   help="bench's --policies; must hold dcut and ar (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: bench's, max(2B, 16))")
+    p.add_argument("--repeats", type=int, default=2, help="bench's timed passes per policy (default: %(default)s)")
+    p.add_argument("--lockstep", action="store_true", help="pass --lockstep to bench")
+    p.add_argument("--threads", type=int, default=None, help="passed to bench (default: bench's own)")
+    p.add_argument("--output", default=None, help="JSON with every run (rewritten after each)")
+    return p.parse_args(argv)
+
+
+def spread(xs: list[float]) -> dict:
+    """Minimum, 10th percentile and median of xs (empty: None each)."""
+    if not xs:
+        return {"min": None, "p10": None, "median": None}
+    return {"min": float(min(xs)), "p10": float(np.percentile(xs, 10)), "median": float(np.median(xs))}
+
+
+def one_run(args, B: int, work: Path) -> dict:
+    """One bench process at batch size B from an empty table; what its summary says of dcut."""
+    table, out = work / "table.json", work / "bench.json"
+    table.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "minidcut.bench", "--batch-sizes", str(B), "--cost-table", str(table),
+           "--output", str(out)]
+    for name in PASSED:
+        value = getattr(args, name)
+        if value is not None:
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
+    cmd += ["--chat"] * args.chat + ["--lockstep"] * args.lockstep
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise cli.UserError(f"bench at B = {B} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    result = json.loads(out.read_text())
+    at = result["summary"]["per_batch"][str(B)]
+    dcut = next(r for r in result["records"] if r["policy"] == "dcut")
+    steps = sum(dcut["rho_histogram"].values()) or 1
+    return {"batch_size": B, "seconds": time.perf_counter() - t0, "best_fixed": at["best_fixed"],
+            "dcut_vs_best_fixed": at["dcut_vs_best_fixed"], "dcut_vs_ar": at.get("dcut_vs_ar"),
+            "dcut_tokens_per_second": dcut["tokens_per_second"], "dcut_tau": dcut["tau"],
+            "dcut_rho_histogram": dcut["rho_histogram"], "dcut_ar_step_share": dcut["rho_histogram"].get("0", 0) / steps,
+            "passes_vs_ar": {r["policy"]: r["speedup_vs_ar_runs"] for r in result["records"]}}
+
+
+def summarize(runs: list[dict], batch_sizes: list[int]) -> dict:
+    out = {}
+    for B in batch_sizes:
+        rs = [r for r in runs if r["batch_size"] == B]
+        if not rs:
+            continue
+        best = {}
+        for r in rs:
+            best[r["best_fixed"]] = best.get(r["best_fixed"], 0) + 1
+        ar_best = [r for r in rs if r["best_fixed"] == "ar"]
+        out[str(B)] = {"runs": len(rs), "dcut_vs_best_fixed": spread([r["dcut_vs_best_fixed"] for r in rs]),
+                       "dcut_vs_ar": spread([r["dcut_vs_ar"] for r in rs if r["dcut_vs_ar"] is not None]),
+                       "dcut_vs_ar_where_ar_is_best": spread([r["dcut_vs_ar"] for r in ar_best]),
+                       "best_fixed": best,
+                       "runs_mostly_ar_steps": sum(r["dcut_ar_step_share"] > 0.5 for r in rs)}
+    return out
+
+
+def table(summary: dict) -> Table:
+    t = Table(title="dcut over runs from empty tables: min / 10th pct / median")
+    for c in ("B", "runs", "dcut / best fixed", "dcut / AR", "best fixed (runs)", "runs mostly AR steps"):
+        t.add_column(c, justify="right")
+    fmt = lambda s: "/".join("-" if s[k] is None else f"{s[k]:.3f}" for k in ("min", "p10", "median"))  # noqa: E731
+    for B, s in summary.items():
+        t.add_row(B, str(s["runs"]), fmt(s["dcut_vs_best_fixed"]), fmt(s["dcut_vs_ar"]),
+                  ", ".join(f"{k} {v}" for k, v in sorted(s["best_fixed"].items())), str(s["runs_mostly_ar_steps"]))
+    return t
+
+
+def run(args, console: Console) -> int:
+    batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
+    cli.check_positive(args, "runs", "max_new_tokens", "num_prompts", "repeats", "threads")
+    cli.check_writable(args.output, "--output")
+    policies = [p.strip() for p in args.policies.split(",")]
+    if "dcut" not in policies or "ar" not in policies:
+        raise cli.UserError("--policies must hold dcut and ar")
+    record = {"command": " ".join(["python", "tools/worst_case.py"] + sys.argv[1:]), "args": vars(args), "runs": []}
+    total, t0 = args.runs * len(batch_sizes), time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            for B in batch_sizes:  # the batch sizes take turns, so a machine that drifts hits each alike
+                r = one_run(args, B, Path(tmp))
+                record["runs"].append({"run": i + 1, **r})
+                record["summary"] = summarize(record["runs"], batch_sizes)
+                if args.output:
+                    Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
+                done = len(record["runs"])
+                eta = (time.perf_counter() - t0) / done * (total - done)
+                console.log(f"run {i + 1} B={B}: dcut {r['dcut_vs_best_fixed']:.3f}x best fixed ({r['best_fixed']}), "
+                            f"{r['dcut_vs_ar']:.3f}x AR, {r['seconds']:.0f} s; {done}/{total}, ~{eta / 60:.0f} min left")
+    console.print(table(record["summary"]))
+    if args.output:
+        console.print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli.run_reporting_errors(run, parse_args(argv), Console())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
