@@ -18,13 +18,15 @@ commit    hand each request its committed tokens, stop finished requests
 feedback  one StepRecord to the policy (calibration, skip drafting)
 
 Host <-> device per step: at most one copy to the device, and one to the host in the steady state. A
-step that drafted (a probe aside: the step after it likely runs AR) drafts the next step's block right
-after its verification (the same inputs, each row's limit less what it committed, on the device), so
-the next step's pick (rho index and its gain) crosses with this step's tokens; the next step uses that
-draft unless a row changed hands or the bucket changed. A step that needs host inputs (a fresh draft's
-limits and costs, the rows a compaction moves, the positions a catch-up writes) sends them all in one
-copy (staging.py); a fresh draft then syncs once more, on its pick. An admission's prefill is one copy
-each way of its own. `ar` runs the verify graph with K = 0 (one token per row) and never drafts.
+drafting step sends its plan's draft inputs (limits, gain scale, costs) before it verifies; a step that
+drafted (a probe aside: the step after it likely runs AR) drafts the next step's block right after its
+verification with them (each row's limit less what it committed, on the device), so the next step's
+pick (rho index and its gain, chosen with this step's calibration and costs: one step of lag) crosses
+with this step's tokens; the next step uses that draft unless a row changed hands or the bucket
+changed. Everything a step sends (its draft inputs, the rows a compaction moves, the positions a
+catch-up writes) goes in one copy (staging.py); a fresh draft then syncs once more, on its pick. An
+admission's prefill is one copy each way of its own. `ar` runs the verify graph with K = 0 (one token
+per row) and never drafts.
 
 Attention span: a compiled graph's attention reads every cache position (static shapes); an eager
 step reads only the positions up to the live rows' furthest token, rounded up to SPAN_STEP
@@ -51,7 +53,7 @@ from .model import Transformer, causal_layout, prefill_layout
 from .policy import Policy, StepPlan, StepRecord
 from .sampling import accept, sample, sample_keys
 from .staging import Staging
-from .stats import Stats
+from .stats import Interval, Stats
 
 
 SPAN_STEP = 16  # eager steps read the cache in multiples of this many positions (Engine.span)
@@ -185,13 +187,13 @@ class Engine:
         # positions whose drafter context was skipped (they need catching up before a draft).
         unsynced = batch.unsynced() if drafting else []
         fresh = drafting and draft is None
-        if fresh:
+        if drafting:  # this plan's inputs: of the fresh draft, or of the one this step drafts ahead
             self.stage_draft(batch.limits(b), len(rows), plan)
         for part in (moved, unsynced):
             if part:
                 self.staging.put(part)
         sent = collections.deque(self.staging.send())
-        inputs = sent.popleft() if fresh else None
+        inputs = sent.popleft() if drafting else None
         if moved:
             self.move_rows(batch, sent.popleft())
         catchup = self.write_context(sent.popleft()) if unsynced else 0.0
@@ -202,7 +204,7 @@ class Engine:
         K = self.budgets(b)[draft.rho_index] if drafting else 0
         t1 = time.perf_counter()
         ahead = drafting and plan.ahead  # a draft exists whenever this holds
-        commit, n_commit, kept = self.verify(batch, b, draft, K, reach, ahead=ahead)
+        commit, n_commit, kept, drafted_ahead = self.verify(batch, b, draft, K, reach, ahead=ahead)
         t2 = time.perf_counter()
         self.commit(batch, commit, n_commit, draft, stats, on_finish)
         # The step's seconds hold one draft, as a cost-table entry does: a fresh draft that also drafted
@@ -220,7 +222,8 @@ class Engine:
         # Every second of the step outside prefill and measuring counts: bookkeeping holds the plan, the
         # staging and row moves before the draft, and the commit and feedback after the verification.
         before = t0 - tp - measuring - catchup
-        stats.seconds.update(draft=t1 - t0 + catchup, verify=t2 - t1, bookkeeping=before + time.perf_counter() - t2)
+        stats.seconds.update(draft=t1 - t0 + catchup + drafted_ahead, verify=t2 - t1 - drafted_ahead,
+                             bookkeeping=before + time.perf_counter() - t2)
         return rec
 
     def admit(self, batch: Batch, pending, stats: Stats, on_finish=None) -> None:
@@ -280,7 +283,8 @@ class Engine:
         move the rows' anchors on. ahead (a drafting step that is not a probe, StepPlan.ahead): then
         draft the next step's block already (batch.ahead), so that its pick crosses to the host with this
         step's tokens, in one copy. reach: one past the live rows' furthest anchor. Returns, on the
-        host: commit [b, block], n_commit [b], kept [b]."""
+        host: commit [b, block], n_commit [b], kept [b], and the seconds of the draft made ahead (0
+        without one: drafting's, not verification's)."""
         Q = min(self.block, K + 1)  # the longest row verified
         keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
         # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
@@ -291,17 +295,20 @@ class Engine:
         batch.anchor[:b], batch.anchor_pos[:b] = anchor, anchor_pos
         kept = keep_len if K else torch.zeros_like(n_commit)
         host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1)  # [b, block + 2]
-        if ahead:  # the next draft: the same inputs, each row's limit less what it commits
+        drafting = Interval(self.device)
+        if ahead:  # the next draft: this step's inputs (its plan), each row's limit less what it commits
+            drafting.start()
             inputs = self.staging.fixed_inputs(b + 2 + len(self.policy.rhos))
-            inputs[:b] = (inputs[:b] - n_commit).clamp(min=0)  # in place: the inputs of the latest draft
+            inputs[:b] = (inputs[:b] - n_commit).clamp(min=0)  # in place, on the device
             out = self.graph("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs,
                                          self.draft_span(reach + Q))  # anchors moved <= Q on
             host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
+            drafting.stop()
         host = host.cpu()  # the step's one copy to the host
         if ahead:
             batch.ahead = (batch.version, b, self.drafted(out, host[-2:]))
             host = host[:-2].long().view(b, -1)
-        return host[:, :-2], host[:, -2], host[:, -1]
+        return host[:, :-2], host[:, -2], host[:, -1], drafting.seconds
 
     def commit(self, batch: Batch, commit, n_commit, draft: Draft | None, stats: Stats, on_finish) -> None:
         """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus)."""

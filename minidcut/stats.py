@@ -3,7 +3,40 @@
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
+
+import torch
+
+
+class Interval:
+    """Seconds of the work launched between start() and stop(), read once the step's copy to the host
+    has waited for it: host time on a CPU (eager calls run as they are called), CUDA events on a GPU
+    (graph launches return at once; the events add no sync of their own)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = None
+
+    def start(self) -> None:
+        self.marks = [torch.cuda.Event(enable_timing=True)] if self.cuda else [time.perf_counter()]
+        if self.cuda:
+            self.marks[0].record()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    @property
+    def seconds(self) -> float:
+        """0 if never started; on CUDA only after a sync past stop() (the step's copy to the host)."""
+        if self.marks is None:
+            return 0.0
+        a, b = self.marks
+        return a.elapsed_time(b) / 1000 if self.cuda else b - a
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Host <-> device traffic of a decode step (engine.py, module docstring), counted on a CPU. In the
-steady state every step makes one device-to-host copy and no host-to-device one: a drafting step's
-tokens cross together with the pick (rho index and gain) of the next step's draft, which it has already
-run; an AR step's tokens alone. A step whose rows changed drafts afresh: its inputs go over in one copy
-(the staging buffer) and its pick comes back in one more. No .item() at all. No torch.tensor() from host lists outside the graphs (inside, the selector's budget
+steady state every step makes one device-to-host copy, and a drafting step one host-to-device copy:
+its plan's inputs (gain scale, costs, limits) go over before its verification, the next step's draft
+made right after it picks rho* with them, and that pick (rho index and gain) crosses back with this
+step's tokens; an AR step's tokens alone, with nothing sent. A step whose rows changed drafts afresh:
+its inputs go over in one copy (the staging buffer) and its pick comes back in one more. No .item() at all. No torch.tensor() from host lists outside the graphs (inside, the selector's budget
 vectors are constants of a compiled graph; run eagerly they are rebuilt per call)."""
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def tiny_pair(tmp_path):
 
 
 @pytest.mark.parametrize("forced", [0.5, 0.0])
-def test_a_steady_step_copies_once_to_the_host_and_never_to_the_device(tmp_path, monkeypatch, forced):
+def test_a_steady_step_copies_once_each_way_when_it_drafts_and_once_back_when_it_does_not(tmp_path, monkeypatch,
+                                                                                           forced):
     target, drafter = tiny_pair(tmp_path)
     table = CostTable([4], GRID, [[1.0 if r == forced else 1000.0 for r in GRID]])  # dcut picks `forced`
     policy = Policy.dcut(table, GRID, calibrate=False, skip_drafting=forced > 0)
@@ -76,7 +78,7 @@ def test_a_steady_step_copies_once_to_the_host_and_never_to_the_device(tmp_path,
     assert len(steady) > 5
     for drafted, c in steady:
         assert c.get("tensor", 0) == 0  # no host list turned into a tensor
-        assert c.get("h2d", 0) == 0 and c.get("item", 0) == 0 and c.get("cpu", 0) == 1
+        assert c.get("h2d", 0) == int(drafted) and c.get("item", 0) == 0 and c.get("cpu", 0) == 1
     assert all(d for d, _ in steady) == (forced > 0)
     if forced:  # the first step drafted afresh after the prefill: one copy each, its pick back in one more
         assert per_step[0][1].get("h2d") == 2 and per_step[0][1].get("cpu", 0) >= 2
@@ -195,3 +197,45 @@ def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
         assert c.get("cpu", 0) <= 1 + c.get("run_draft", 0)
     ar = Engine(target, None, Policy.ar(), batch_size=4, max_seq=128, eos_ids=[], compile=False)
     assert [r.output for r in requests] == [ar.generate([p], n)[0][0] for p, n in zip(prompts, lengths)]
+
+
+def test_a_draft_made_ahead_picks_rho_with_the_policys_latest_plan(tmp_path):
+    """Calibration moves the gain scale every step and CostTable.refine the costs: the draft a step makes
+    ahead (for the next step) must choose rho* with that step's plan, not with the inputs of the last
+    fresh draft (a one-step lag at most). Checked on the device inputs each draft graph call reads."""
+    target, drafter = tiny_pair(tmp_path)
+    table = CostTable([1, 2, 4], GRID, [[1.0, 1.1, 1.2, 1.3, 1.4]] * 3)
+    policy = Policy.dcut(table, GRID, skip_drafting=False)
+    engine = Engine(target, drafter, policy, batch_size=4, max_seq=96, eos_ids=[], compile=False)
+    plans, read = [], []
+    real_plan = policy.plan
+    policy.plan = lambda *a, **k: (plans.append(real_plan(*a, **k)), plans[-1])[1]
+    real_graph = engine.graph
+
+    def graph(kind, b, *a, **k):
+        fn = real_graph(kind, b, *a, **k)
+        if kind != "draft":
+            return fn
+        n_rho = len(GRID)
+        return lambda anchor, pos, inputs, *rest: (read.append((len(plans), inputs[b + 1].item(),
+                                                                 inputs[b + 2: b + 2 + n_rho].tolist())),
+                                                   fn(anchor, pos, inputs, *rest))[1]
+    engine.graph = graph
+    engine.generate([[3, 5, 7, 9, 11], [4, 6, 8, 10, 12]], 48)
+    assert len(read) > 6 and len({(g, tuple(c)) for _, g, c in read}) > 2  # the plans moved
+    for n_plans, gain_scale, cost in read:
+        plan = plans[n_plans - 1]  # the latest plan when the draft ran
+        assert gain_scale == pytest.approx(plan.gain_scale, rel=1e-6)
+        assert cost == pytest.approx(plan.cost, rel=1e-6)
+
+
+def test_the_draft_made_ahead_counts_as_drafting_in_the_stats(tmp_path, monkeypatch):
+    """The next block is drafted inside verify(): its seconds go to stats.seconds['draft'], not 'verify'."""
+    target, drafter = tiny_pair(tmp_path)
+    engine = Engine(target, drafter, Policy.static(0.5), batch_size=2, max_seq=96, eos_ids=[], compile=False)
+    real_graph = engine.graph
+    monkeypatch.setattr(engine, "graph", lambda kind, *a, **k: (
+        lambda *x, _f=real_graph(kind, *a, **k): (time.sleep(0.05), _f(*x))[1]) if kind == "draft" else real_graph(kind, *a, **k))
+    _, stats = engine.generate([[3, 5, 7], [4, 6, 8, 10]], 24)
+    drafts = sum(stats.drafting_hist.values())  # every drafting step ran one draft (ahead or fresh)
+    assert stats.seconds["draft"] >= 0.05 * drafts > stats.seconds["verify"]
