@@ -45,7 +45,7 @@ engine = Engine(target, drafter, Policy.dcut(table, RHOS), batch_size=B, max_seq
 
 with torch.inference_mode():
     # Prefill: every prompt into its row; the first generated token becomes the anchor.
-    anchor = engine.prefill(list(range(B)), [Request(i, pr, 1) for i, pr in enumerate(prompts)])
+    anchor = engine.runner.prefill(list(range(B)), [Request(i, pr, 1) for i, pr in enumerate(prompts)])
     anchor_pos = torch.tensor([len(pr) for pr in prompts], device=device)
     # Step 1: draft one block per row; c[i, k] = the drafter's probability of its own draft.
     logits = drafter(target, anchor, anchor_pos).float()  # [B, D, V] (V': a drafter's draft vocabulary)
@@ -88,7 +88,7 @@ console.print(t)
 # Steps 6-7: pack anchor + kept prefixes into T tokens, verify with the target, accept.
 with torch.inference_mode():
     request_ids = torch.arange(B, device=device)  # the sampling keys (unused when greedy)
-    commit, n_commit, _, _ = engine.graph("verify", B, Ks[shown])(anchor, anchor_pos, request_ids, drafts, keep[shown])
+    commit, n_commit, _, _ = engine.runner.graphs.get("verify", B, Ks[shown])(anchor, anchor_pos, request_ids, drafts, keep[shown])
 t = Table(title=f"verification at rho = {RHOS[shown]:g}" + (" (rho*)" if shown == best else " (rho* = 0 would verify "
           "anchors only)") + ": accepted drafts (+1 bonus) per request")
 for c in ("i", "keep_len", "accepted", "committed text"):

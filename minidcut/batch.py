@@ -47,6 +47,16 @@ class Request:
 
 
 @dataclass
+class Ahead:
+    """The next step's draft, made by a step right after its verification (runner.Runner.verify): valid
+    for the step after it while no row changed hands (the batch's version) and the bucket is the same."""
+
+    version: int
+    bucket: int
+    draft: object  # graphs.Draft
+
+
+@dataclass
 class Batch:
     """Host-side state of the cache rows: which request each row holds, and per row the anchor (last
     committed token) and its position on the device. Live rows are kept in the lowest rows."""
@@ -55,9 +65,9 @@ class Batch:
     anchor: torch.Tensor  # [rows]
     anchor_pos: torch.Tensor  # [rows]
     request_ids: torch.Tensor  # [rows] the sampling key of each row's request
-    synced: list[int]  # per row: positions below this have the drafter's context K/V
+    written: list[int]  # per row: positions below this have the drafter's context K/V written
     version: int = 0  # bumped whenever a row changes hands (placed, freed, moved)
-    ahead: tuple | None = None  # (version, bucket, Draft): the next step's draft, made by this step
+    ahead: Ahead | None = None  # the next step's draft, made by this step
 
     @classmethod
     def empty(cls, rows: int, device) -> "Batch":
@@ -68,12 +78,12 @@ class Batch:
     def live(self) -> list[int]:
         return [i for i, r in enumerate(self.requests) if r is not None]
 
-    def place(self, rows: list[int], requests: list[Request], synced: bool = True) -> None:
+    def place(self, rows: list[int], requests: list[Request], written: bool = True) -> None:
         """Requests enter rows after their prefill, which wrote the rows' device state (the first token
-        as the anchor, right after the prompt) and the drafter's context of the prompt (synced) or only
-        held its taps (not synced: the prompt is caught up like skipped steps)."""
+        as the anchor, right after the prompt) and the drafter's context of the prompt (written) or only
+        held its taps (not written: the prompt is caught up like skipped steps)."""
         for row, r in zip(rows, requests):
-            self.requests[row], self.synced[row] = r, len(r.prompt) if synced else 0
+            self.requests[row], self.written[row] = r, len(r.prompt) if written else 0
         self.version += 1
 
     def free(self, row: int) -> None:
@@ -84,14 +94,14 @@ class Batch:
     @property
     def reach(self) -> int:
         """One past the furthest live row's anchor position (what an eager step's attention span
-        follows, Engine.span)."""
+        follows, runner.Runner.span)."""
         return max(r.anchor_pos for r in self.requests if r is not None) + 1
 
     def take_ahead(self, bucket: int):
         """The draft the previous step made for this one, if no row changed hands since and the bucket
         is the same (else None); it is used once."""
         ahead, self.ahead = self.ahead, None
-        return ahead[2] if ahead is not None and ahead[:2] == (self.version, bucket) else None
+        return ahead.draft if ahead is not None and (ahead.version, ahead.bucket) == (self.version, bucket) else None
 
     def limits(self, b: int) -> list[int]:
         """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
@@ -108,25 +118,25 @@ class Batch:
         return max((r.limit + 1 for r in self.requests if r is not None), default=0)
 
     @property
-    def n_unsynced(self) -> int:
-        """Committed positions of the live rows without the drafter's context K/V."""
-        return sum(r.anchor_pos - self.synced[i] for i, r in enumerate(self.requests) if r is not None)
+    def n_behind(self) -> int:
+        """Committed positions of the live rows whose drafter context K/V is not written (behind)."""
+        return sum(r.anchor_pos - self.written[i] for i, r in enumerate(self.requests) if r is not None)
 
-    def unsynced(self) -> list[int]:
-        """[rows + positions] of committed tokens without the drafter's context K/V, now marked synced
-        (empty if none)."""
+    def behind(self) -> list[int]:
+        """[rows + positions] of committed tokens whose drafter context is not written, now marked as
+        written (the caller catches them up; empty if none)."""
         rows, pos = [], []
         for i in self.live:
             end = self.requests[i].anchor_pos
-            rows += [i] * (end - self.synced[i])
-            pos += range(self.synced[i], end)
-            self.synced[i] = end
+            rows += [i] * (end - self.written[i])
+            pos += range(self.written[i], end)
+            self.written[i] = end
         return rows + pos
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """Requests of rows src move to rows dst, on the host (the engine copies their device state)."""
         for i, j in zip(src, dst):
-            self.requests[j], self.requests[i], self.synced[j] = self.requests[i], None, self.synced[i]
+            self.requests[j], self.requests[i], self.written[j] = self.requests[i], None, self.written[i]
         self.version += 1
 
 

@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                    help='JSONL of {"prompt": ...}, {"input_ids": [...]} or {"messages": [...]} lines '
                         "(default: models/prompts_heldout.jsonl)")
-    p.add_argument("--chat", action="store_true", help="put each prompt under the tokenizer's chat template")
+    cli.add_chat_arg(p)
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 16))")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="tokens generated per prompt, EOS ignored (default: %(default)s)")
@@ -267,7 +267,7 @@ def run(args, console: Console) -> int:
     target, drafter, device, dtype = load()
     models = {spec: (target, drafter) if i == 0 or not args.lockstep else load()[:2] for i, spec in enumerate(specs)}
     tokenizer = load_tokenizer(args.target)
-    prompts, _ = cli.read_prompts(args.prompts, None, tokenizer, args.chat, args.target)
+    prompts, _ = cli.read_prompts(args.prompts, None, tokenizer, cli.parse_chat(args.chat), args.target)
     runtime.freeze_heap()
     records, tables = [], {}
     for B in batch_sizes:

@@ -8,7 +8,6 @@ import argparse
 import contextlib
 import gzip
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from rich.console import Console
 from . import runtime
 from .config import ConfigError, load_drafter_config, load_model_config
 from .cost_model import SEQ_CLASS, CostTableError
-from .engine import SPAN_STEP
+from .runner import SPAN_STEP
 from .loader import CheckpointError
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -147,9 +146,41 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab: int, pos
                             f"{block} for a draft block exceed the target's {positions} positions")
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Messages under the tokenizer's chat template, ready for the assistant's answer."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+CHAT_DEFAULTS = {"enable_thinking": False}  # z-lab's Qwen3 drafters were trained on answers without thinking
+CHAT_HELP = ("put each prompt under the tokenizer's chat template, with the template's arguments KEY=VALUE[,...] "
+             "(VALUE as JSON: true, 3, \"x\"; else a string). Default: enable_thinking=false, so Qwen3 answers "
+             "without a thinking trace, as DFlash drafters are trained; templates that do not use an argument "
+             "ignore it. `--chat enable_thinking=true` lets Qwen3 think")
+
+
+def add_chat_arg(p) -> None:
+    """--chat [KEY=VALUE,...]: the chat template and its arguments (parse_chat gives them as a dict)."""
+    p.add_argument("--chat", nargs="?", const="", default=None, metavar="KEY=VALUE,...", help=CHAT_HELP)
+
+
+def parse_chat(value: str | None) -> dict | None:
+    """--chat's value -> the template's arguments (CHAT_DEFAULTS, then the given ones), None without
+    --chat; UserError (one line) for a malformed one."""
+    if value is None:
+        return None
+    args = dict(CHAT_DEFAULTS)
+    for part in (x.strip() for x in value.split(",")):
+        if not part:
+            continue
+        key, eq, raw = part.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise UserError(f"--chat {value!r}: expected KEY=VALUE[,KEY=VALUE...], e.g. enable_thinking=false")
+        try:
+            args[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            args[key.strip()] = raw
+    return args
+
+
+def chat_ids(tokenizer, messages: list[dict], template_args: dict | None = None) -> list[int]:
+    """Messages under the tokenizer's chat template (with template_args, parse_chat), ready for the
+    assistant's answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_args or {}))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -172,12 +203,13 @@ def prompt_file_lines(path) -> list[str]:
         raise UserError(f"{p}:{line}: not UTF-8 text") from None
 
 
-def read_prompts(path: str | None, texts: list[str] | None, tokenizer, chat: bool = False,
+def read_prompts(path: str | None, texts: list[str] | None, tokenizer, chat: bool | dict | None = None,
                  model: str = "the target", default: list[str] | None = None) -> tuple[list[list[int]], list[str]]:
     """Token ids of every prompt, and where each came from ("file:line" or "--prompt N"), from a JSONL
     file (lines {"prompt": "..."}, {"input_ids": [...]} or {"messages": [...]}; .gz read as gzip) and
     --prompt texts; `default` when there are none. chat: text prompts go under the tokenizer's chat
-    template."""
+    template, with these template arguments (parse_chat; True: CHAT_DEFAULTS)."""
+    template_args = dict(CHAT_DEFAULTS) if chat is True else chat or None
     items: list[tuple[object, str]] = []
     if path:
         p = Path(path)
@@ -196,13 +228,13 @@ def read_prompts(path: str | None, texts: list[str] | None, tokenizer, chat: boo
         if isinstance(item, list) and item and isinstance(item[0], dict):  # messages
             if tokenizer is None or not chat:
                 raise UserError(f"{name}: a messages line needs --chat and a tokenizer")
-            ids.append(chat_ids(tokenizer, item))
+            ids.append(chat_ids(tokenizer, item, template_args))
         elif isinstance(item, str):
             if item == "":
                 raise UserError(f"{name}: the prompt is empty")
             if tokenizer is None:
                 raise UserError(f"{model} has no tokenizer: give prompts as input_ids in a --prompts file")
-            ids.append(chat_ids(tokenizer, [{"role": "user", "content": item}]) if chat
+            ids.append(chat_ids(tokenizer, [{"role": "user", "content": item}], template_args) if chat
                        else tokenizer.encode(item, add_special_tokens=False))
         else:
             ids.append(item)

@@ -15,7 +15,7 @@ sliding layers are) and give sliding layers a window (keys less than `sliding_wi
 
 While the policy has drafting switched off, verification stores the target's taps as they come
 ([rows, max_seq, n_taps * H], held_taps) and does no drafter work at all: the next drafting step fuses
-them and writes the K/V they miss (sync_context), so it drafts with the context of the skipped steps.
+them and writes the K/V they miss (catch_up), so it drafts with the context of the skipped steps.
 Holding the taps instead of the fused features costs n_taps times their memory and keeps fc and
 hidden_norm out of every step that does not draft (docs/method.md, "Skipping drafting").
 """
@@ -125,19 +125,19 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("held_taps", torch.zeros(rows, max_seq, len(self.taps) * c.hidden_size, dtype=w.dtype,
                                                       device=w.device), persistent=False)  # [rows, max_seq, n_taps*H]
 
-    def add_context(self, taps: torch.Tensor, row: torch.Tensor, pos: torch.Tensor, kv: bool = True) -> None:
-        """Write the context K/V of verified tokens (kv=True), or only hold their taps for sync_context
-        (kv=False: a step that does not draft). taps [T, n_taps * H]; row, pos [T]. Tokens that later
+    def add_context(self, taps: torch.Tensor, row: torch.Tensor, pos: torch.Tensor, write: bool = True) -> None:
+        """Write the context K/V of verified tokens (write=True), or only hold their taps for a later
+        catch_up (write=False: a step that does not draft). taps [T, n_taps * H]; row, pos [T]. Tokens that later
         turn out rejected leave entries past the committed length: never read (the draft mask stops at
         the anchor) and overwritten when that position is committed."""
         taps = taps.to(self.norm.weight.dtype)
-        if kv:
+        if write:
             self._write_kv(taps, row, pos)
         else:
             self.held_taps[row, pos] = taps
 
-    def sync_context(self, row: torch.Tensor, pos: torch.Tensor) -> None:
-        """Write the context K/V at (row, pos) [T] from the held taps (after skipped drafting)."""
+    def catch_up(self, row: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write the context K/V at (row, pos) [T] from the held taps (after steps that did not draft)."""
         self._write_kv(self.held_taps[row, pos], row, pos)
 
     def _write_kv(self, taps: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> None:

@@ -60,7 +60,7 @@ def parse_args(argv=None):
                    help="a prompt (repeatable; without --prompt and --prompts: four built-in code prompts)")
     p.add_argument("--prompts", default=None,
                    help='JSONL file: {"prompt": "..."}, {"input_ids": [...]} or {"messages": [...]} per line')
-    p.add_argument("--chat", action="store_true", help="put each prompt under the tokenizer's chat template")
+    cli.add_chat_arg(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
@@ -74,8 +74,9 @@ def parse_args(argv=None):
                         "sorted into input order at the end")
     p.add_argument("--stats", default=None, help="write the run's statistics as JSON")
     p.add_argument("--compare-ar", action="store_true",
-                   help="after the run, generate the same prompts with plain AR decoding in this process and "
-                        "print the speedup")
+                   help="after the run, generate the same prompts with plain AR decoding in this process, print "
+                        "the speedup and whether the tokens are the same (where they first differ if not: in "
+                        "float32 they must not; in bfloat16 near-ties may flip)")
     p.add_argument("--quiet", action="store_true", help="no status, no live view, no summary, no completions")
     return p.parse_args(argv)
 
@@ -151,7 +152,7 @@ def run(args, console: Console) -> int:
     drafter_dir = args.drafter if args.policy != "ar" else None
     vocab, positions, block = cli.model_limits(args.target, drafter_dir)
     tokenizer = load_tokenizer(args.target)
-    prompts, names = cli.read_prompts(args.prompts, args.prompt, tokenizer, args.chat, args.target,
+    prompts, names = cli.read_prompts(args.prompts, args.prompt, tokenizer, cli.parse_chat(args.chat), args.target,
                                       default=BUILTIN_PROMPTS)
     cli.check_prompts(prompts, args.max_new_tokens, vocab, positions, block, names)
     runtime.setup(args.threads)
@@ -211,10 +212,29 @@ def run(args, console: Console) -> int:
         for line in explain(stats, policy, table_file):
             console.print(line, highlight=False)
         if ar_stats is not None:
-            same = "the same tokens" if ar_outputs == outputs else "DIFFERENT tokens (report this)"
-            console.print(f"AR in this process: {ar_stats.as_dict()['tokens_per_second']:.1f} tok/s, {same}; "
-                          f"{policy.label} is {stats.as_dict()['tokens_per_second'] / ar_stats.as_dict()['tokens_per_second']:.2f}x AR")
+            console.print(f"AR in this process: {ar_stats.as_dict()['tokens_per_second']:.1f} tok/s; {policy.label} is "
+                          f"{stats.as_dict()['tokens_per_second'] / ar_stats.as_dict()['tokens_per_second']:.2f}x AR",
+                          highlight=False)
+            console.print(compare_outputs(outputs, ar_outputs, dtype, names), highlight=False, markup=False)
     return 0
+
+
+def compare_outputs(ours: list[list[int]], ar: list[list[int]], dtype: torch.dtype, names: list[str]) -> str:
+    """What --compare-ar found: identical tokens, or the first request and position where they differ,
+    with what that means at this dtype."""
+    diff = [(i, next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r))))
+            for i, (o, r) in enumerate(zip(ours, ar)) if o != r]
+    if not diff:
+        return f"--compare-ar: the same tokens as AR decoding in all {len(ours)} requests"
+    i, j = diff[0]
+    at = (f"{names[i]}, generated token {j}: {ours[i][j] if j < len(ours[i]) else 'end'} here, "
+          f"{ar[i][j] if j < len(ar[i]) else 'end'} from AR")
+    said = f"--compare-ar: {len(diff)} of {len(ours)} requests differ from AR decoding; the first at {at}."
+    if dtype == torch.float32:
+        return said + " In float32 the outputs must be identical: this is a bug, please report it."
+    return (said + f" In {str(dtype).replace('torch.', '')} a verification of several tokens rounds differently "
+            "from an AR step of one, so near-ties can flip and the texts part from there; exactness holds "
+            "in float32 (--dtype float32).")
 
 
 def make_engine(args, target, drafter, policy, max_seq: int, on_compile) -> Engine:

@@ -36,6 +36,7 @@ class StepPlan:
     gain_scale: float  # calibrated / raw expected accepted drafts (calibration.py)
     ahead: bool = True  # a drafting step drafts the next block after verifying (not a probe: the step
     #                     after one likely runs AR, and its draft would be paid for nothing)
+    usable: int | None = None  # drafts the live rows could still emit when planned (Batch.usable; None: not asked)
 
 
 @dataclass
@@ -141,19 +142,20 @@ class Policy:
         skip = self.skip(bucket)
         return skip is not None and (skip.state == "off" or not skip.possible)
 
-    def plan(self, bucket: int, unsynced: int = 0, n_live: int | None = None, usable: int | None = None) -> StepPlan:
+    def plan(self, bucket: int, behind: int = 0, n_live: int | None = None, usable: int | None = None) -> StepPlan:
         """What the next step at `bucket` runs: whether it drafts (never without the bucket's costs),
-        and the draft graph's inputs. unsynced: positions whose drafter context a draft would first
-        write (Batch.n_unsynced); n_live, usable: the live rows and the drafts they can still emit
+        and the draft graph's inputs. behind: positions whose drafter context a draft would first
+        write (Batch.n_behind); n_live, usable: the live rows and the drafts they can still emit
         (Batch.usable; default: the whole bucket, a block each). Called once per step: a skipped step
         counts toward the next probe."""
         costs = self.costs(bucket)
         skip = self.skip(bucket)
-        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now(unsynced, n_live, usable))
+        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now(behind, n_live, usable))
         cost = list(costs or [1.0] * len(self.rhos))
         if skip is not None:  # the draft is paid once drafting: rho = 0 then costs what the smallest rho does
             cost[0] = cost[1]
-        return StepPlan(draft, cost, self.calibration.gain_scale, ahead=skip is None or skip.state == "drafting")
+        return StepPlan(draft, cost, self.calibration.gain_scale, ahead=skip is None or skip.state == "drafting",
+                        usable=usable)
 
     def committed(self, gain: torch.Tensor, n_live: torch.Tensor, gain_scale: torch.Tensor) -> torch.Tensor:
         """What a step is worth: expected accepted drafts gain [n_rho], calibrated by gain_scale, plus

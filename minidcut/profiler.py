@@ -50,21 +50,21 @@ def nondecreasing(xs: list[float]) -> list[float]:
 def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, ri: int, reach: int):
     """Seconds of one step at the grid's rho index ri on rows [0, b) (K = 0: a step without a draft),
     its Draft (None for K = 0) and its committed tokens per row n_commit [b]; reach: one past the
-    furthest live anchor (the attention span follows it, Engine.span). Nothing advances: the rows'
+    furthest live anchor (the attention span follows it, runner.Runner.span). Nothing advances: the rows'
     anchors and positions are not touched."""
     b, dev = anchor.shape[0], anchor.device
-    K = engine.budgets(b)[ri]
-    span = engine.verify_span(reach, K)
+    K = engine.runner.graphs.budgets(b)[ri]
+    span = engine.runner.verify_span(reach, K)
     plan = StepPlan(True, [1.0] * len(engine.policy.rhos), 1.0)  # costs do not change the work
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
     draft = None
     if K == 0:
-        commit, n_commit = engine.graph("verify", b, 0, kv=False)(anchor, anchor_pos, ids, None, None, span)[:2]
+        commit, n_commit = engine.runner.graphs.get("verify", b, 0, write=False)(anchor, anchor_pos, ids, None, None, span)[:2]
     else:
-        draft = engine.draft(anchor, anchor_pos, limit, n_live, plan, engine.draft_span(reach))  # syncs on rho*
-        commit, n_commit = engine.graph("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri],
+        draft = engine.runner.draft(anchor, anchor_pos, limit, n_live, plan, engine.runner.draft_span(reach))  # syncs on rho*
+        commit, n_commit = engine.runner.graphs.get("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri],
                                                         span)[:2]
     host = torch.cat([commit, n_commit[:, None]], dim=1).cpu()
     return time.perf_counter() - t0, draft, host[:, -1]
@@ -81,12 +81,12 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     over the live rows (their indices): real acceptance the policy can learn from. reach: one past
     the furthest live anchor. on_step(b, rho) after every step."""
     b, rhos, policy, n_live = anchor.shape[0], engine.policy.rhos, engine.policy, len(live)
-    Ks = engine.budgets(b)
+    Ks = engine.runner.graphs.budgets(b)
     seen, samples = [], [0] * len(rhos)
 
     def cell(ri: int) -> float:
         keys = [("verify", b, Ks[ri], Ks[ri] > 0)] + ([("draft", b, 0, True)] if Ks[ri] else [])
-        runs = min(engine.calls[k] for k in keys)  # compiled: run until it replays; eager: once, to allocate
+        runs = min(engine.runner.graphs.calls[k] for k in keys)  # compiled: run until it replays; eager: once, to allocate
         warm = max(0, REPLAYED - runs) if engine.compile else int(runs == 0)
         for _ in range(warm):
             timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri, reach)
@@ -107,8 +107,8 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
         row[ri] = cell(ri)
     if not drafting:
         return row, samples, seen
-    gain = engine.draft(anchor, anchor_pos, limit, n_live, StepPlan(True, [1.0] * len(rhos), 1.0),
-                        engine.draft_span(reach)).gain.tolist()
+    gain = engine.runner.draft(anchor, anchor_pos, limit, n_live, StepPlan(True, [1.0] * len(rhos), 1.0),
+                        engine.runner.draft_span(reach)).gain.tolist()
     scale = torch.tensor(policy.calibration.gain_scale)
     rate = [float(policy.committed(torch.tensor(g), torch.tensor(float(n_live)), scale)) for g in gain]
     best = max((rate[ri] / row[ri] for ri in range(len(rhos)) if Ks[ri] == 0), default=0.0)
@@ -148,7 +148,7 @@ def measure_row(engine, batch, b: int) -> float:
     what the timed drafting steps would have accepted (no seconds: they are not the loop's; marked
     timed: the skip decision waits for the loop's own steps). Returns its seconds."""
     t0 = time.perf_counter()
-    engine.catch_up(batch)  # drafting steps need the drafter's whole context
+    engine.runner.catch_up_batch(batch)  # drafting steps need the drafter's whole context
     rows = batch.live
     row, samples, seen = measure_live(engine, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
                                       batch.limits(b), rows, batch.reach, on_step=engine.on_measure)
@@ -170,7 +170,7 @@ def time_steps(engine, B: int, context_len: int, repeats: int = 10, warmup: int 
     dev, V, D = engine.device, engine.target.cfg.vocab_size, engine.D
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, V, (B, context_len), generator=gen).tolist()
-    anchor = engine.prefill(list(range(B)), [Request(i, p, 1) for i, p in enumerate(prompts)])
+    anchor = engine.runner.prefill(list(range(B)), [Request(i, p, 1) for i, p in enumerate(prompts)])
     anchor_pos = torch.full((B,), context_len, dtype=torch.long, device=dev)
     ids = torch.arange(B, device=dev)
     rhos = engine.policy.rhos

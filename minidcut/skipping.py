@@ -165,16 +165,16 @@ class SkipDrafting:
         steps in the same time."""
         return self.evidence.upper() < 0.0
 
-    def probe_price(self, unsynced: int = 0, cost: dict[float, float] | None = None) -> float:
+    def probe_price(self, behind: int = 0, cost: dict[float, float] | None = None) -> float:
         """Seconds a probe loses to an AR step at most: its step at the dearest budget the rule may pick
         (a measured one: unmeasured entries are never picked) less what drafting usually commits, plus
-        the catch-up of `unsynced` positions. cost: the table's row (self.cost), if already read."""
+        the catch-up of `behind` positions. cost: the table's row (self.cost), if already read."""
         cost = cost or self.cost
         dearest = max(c for r, c in cost.items() if r > 0 and c != float("inf"))
-        return dearest - cost[0.0] * (1.0 + self.usual_accepted) + self.catchup_per_position * unsynced
+        return dearest - cost[0.0] * (1.0 + self.usual_accepted) + self.catchup_per_position * behind
 
-    def probe_period(self, unsynced: int = 0, cost: dict[float, float] | None = None) -> int:
-        """AR steps a probe waits for while `unsynced` positions would need catching up: its price over
+    def probe_period(self, behind: int = 0, cost: dict[float, float] | None = None) -> int:
+        """AR steps a probe waits for while `behind` positions would need catching up: its price over
         what each AR step earns toward it, PROBE_SHARE of (room - 1) AR steps' seconds; at least
         probe_every."""
         cost = cost or self.cost
@@ -182,7 +182,7 @@ class SkipDrafting:
         if room <= 1.0:
             return self.probe_every
         earned = PROBE_SHARE * (room - 1.0) * cost[0.0]
-        return max(self.probe_every, int(self.probe_price(unsynced, cost) / earned) + 1)
+        return max(self.probe_every, int(self.probe_price(behind, cost) / earned) + 1)
 
     def gain_over_ar(self, rec) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
@@ -194,8 +194,8 @@ class SkipDrafting:
         seconds = self.seconds(True, rec.rho) + rec.redraft
         return 1.0 + rec.accepted / max(rec.n_live, 1) - seconds / self.seconds(False)
 
-    def draft_now(self, unsynced: int = 0, n_live: int | None = None, usable: int | None = None) -> bool:
-        """Whether this step drafts; unsynced: the positions a draft would first catch up; n_live,
+    def draft_now(self, behind: int = 0, n_live: int | None = None, usable: int | None = None) -> bool:
+        """Whether this step drafts; behind: the positions a draft would first catch up; n_live,
         usable: the live rows and the drafts they can still emit (a probe due waits for rows that can
         pay). Runs every step: it reads the table's row once."""
         cost = self.cost
@@ -203,7 +203,7 @@ class SkipDrafting:
             return False
         if self.state == "off":
             self.skipped += 1
-            if self.skipped >= self.probe_period(unsynced, cost):
+            if self.skipped >= self.probe_period(behind, cost):
                 self.state = "probing"
         return self.state != "off" and self.pays(cost, n_live, usable)
 

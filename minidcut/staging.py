@@ -3,10 +3,11 @@ draft graph's limits and costs, the rows a compaction moves, the positions a cat
 prompt's tokens and layout, is written into one host buffer and sent together: a single copy, non_blocking
 from pinned memory on CUDA.
 
-The buffer is float32. Integers below 2^24 (token ids, positions, rows, request indices) are exact; the
+put() returns a handle (Staged); after send(), its `.device` is the values' view on the device. The
+buffer is float32. Integers below 2^24 (token ids, positions, rows, request indices) are exact; the
 receiver casts them back with .long(). Its first `fixed` slots hold the draft graph's inputs at a place
-that never moves: a draft made ahead (engine.verify) edits them on the device, and a copy that carries no
-new draft inputs leaves them alone. On CUDA the copy runs after the host has moved on, so the next put()
+that never moves (the compiled draft graph reads them there): a draft made ahead (runner.Runner.verify)
+edits them on the device, and a copy that carries no new draft inputs leaves them alone. On CUDA the copy runs after the host has moved on, so the next put()
 first waits for it to finish reading the buffer (usually long done: each step ends with a copy back).
 """
 
@@ -14,6 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+
+class Staged:
+    """Values put() for the next send(): `device` is their view on the device once sent."""
+
+    def __init__(self, start: int, size: int):
+        self.start, self.size, self.device = start, size, None
 
 
 class Staging:
@@ -40,9 +48,9 @@ class Staging:
     def clear(self) -> None:
         self.lo, self.end, self.pending = self.fixed, self.fixed, []
 
-    def put(self, values, fixed: bool = False) -> None:
-        """Stage `values` (a sequence of numbers, or a 1-d host tensor); send() returns where they land.
-        fixed: the draft inputs, at the buffer's start."""
+    def put(self, values, fixed: bool = False) -> Staged:
+        """Stage `values` (a sequence of numbers, or a 1-d host tensor); the handle's `.device` holds
+        them on the device after send(). fixed: the draft inputs, at the buffer's start."""
         if self.copying is not None:  # the last copy may still be reading the host buffer
             self.copying.synchronize()
             self.copying = None
@@ -57,18 +65,20 @@ class Staging:
             self.end += n
             self.reserve(self.end)
         self.host.numpy()[start : start + n] = values
-        self.pending.append((start, n))
+        staged = Staged(start, n)
+        self.pending.append(staged)
+        return staged
 
-    def send(self) -> list[torch.Tensor]:
-        """One copy of everything staged since the last send; returns the device views in put() order."""
-        views = [self.dev[s : s + n] for s, n in self.pending]
+    def send(self) -> None:
+        """One copy of everything staged since the last send; each handle's `.device` is set."""
+        for staged in self.pending:
+            staged.device = self.dev[staged.start : staged.start + staged.size]
         if self.end > self.lo:
             self.dev[self.lo : self.end].copy_(self.host[self.lo : self.end], non_blocking=True)
             if self.device.type == "cuda":
                 self.copying = torch.cuda.Event()
                 self.copying.record()
         self.clear()
-        return views
 
     def fixed_inputs(self, n: int) -> torch.Tensor:
         """The draft inputs on the device [n] (as the latest draft left them)."""

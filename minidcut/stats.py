@@ -39,6 +39,37 @@ class Interval:
         return a.elapsed_time(b) / 1000 if self.cuda else b - a
 
 
+class StepClock:
+    """The seconds of one decode step, kept apart from the method (Engine.step): marks where drafting and
+    verification begin and end, and what the step spent on measuring a cost row, on the catch-up and on
+    the draft it made ahead. A step's record gets one draft and one verification (as a cost-table entry
+    prices a step); the stats get every second, split into draft / verify / bookkeeping."""
+
+    def __init__(self):
+        self.marks = {"start": time.perf_counter()}
+        self.measuring = self.catchup = self.ahead = self.redraft = 0.0
+
+    def mark(self, phase: str) -> None:
+        """phase 'draft' (the step's inputs sent), 'verify' (its draft ready), 'commit' (verified)."""
+        self.marks[phase] = time.perf_counter()
+
+    def step_seconds(self, redrafted: bool) -> float:
+        """Seconds from the draft on, with one draft: a fresh draft that also drafted ahead ran two, and
+        the fresh one (redraft) is the price of rows changing hands, not of this step's budget."""
+        self.redraft = self.marks["verify"] - self.marks["draft"] if redrafted else 0.0
+        return time.perf_counter() - self.marks["draft"] - self.redraft
+
+    def charge(self, stats: "Stats") -> None:
+        """Every second of the step but prefill and measuring into stats.seconds: drafting holds the
+        catch-up and the draft made ahead; bookkeeping the plan, staging and row moves before the draft
+        and the commit and feedback after the verification."""
+        m = self.marks
+        before = m["draft"] - m["start"] - self.measuring - self.catchup
+        stats.seconds.update(draft=m["verify"] - m["draft"] + self.catchup + self.ahead,
+                             verify=m["commit"] - m["verify"] - self.ahead,
+                             bookkeeping=before + time.perf_counter() - m["commit"])
+
+
 @dataclass
 class Stats:
     """Running counters of a generate() call (docs/method.md, "Metrics")."""

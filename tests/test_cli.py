@@ -401,4 +401,35 @@ def test_a_dcut_run_says_what_it_did_and_why_and_compares_with_ar_on_request(mod
     text = " ".join((out + err).split())  # rich wraps long lines
     assert "rho per step: " in text and "cost table at bucket 2 (" in text and "AR steps" in text
     assert "measured missing cost-table rows in " in text and str(tmp_path / "t.json") in text
-    assert re.search(r"AR in this process: [\d.]+ tok/s, the same tokens; dcut is [\d.]+x AR", text)
+    assert re.search(r"AR in this process: [\d.]+ tok/s; dcut is [\d.]+x AR", text)
+    assert "--compare-ar: the same tokens as AR decoding in all 2 requests" in text
+
+
+def test_compare_ar_says_where_outputs_first_differ_and_what_that_means_at_the_dtype():
+    from minidcut.generate import compare_outputs
+    names = ["--prompt 1", "--prompt 2"]
+    assert "the same tokens" in compare_outputs([[1, 2], [3]], [[1, 2], [3]], torch.float32, names)
+    said = compare_outputs([[1, 2, 5], [3]], [[1, 2, 4], [3]], torch.bfloat16, names)
+    assert "1 of 2 requests differ" in said and "--prompt 1, generated token 2: 5 here, 4 from AR" in said
+    assert "bfloat16" in said and "near-ties" in said and "bug" not in said
+    assert "this is a bug" in compare_outputs([[1]], [[2]], torch.float32, names[:1])
+    assert "token 1: end here, 7 from AR" in compare_outputs([[1]], [[1, 7]], torch.bfloat16, names[:1])
+
+
+def test_chat_takes_the_templates_arguments_with_thinking_off_by_default(models):
+    """Qwen3's template thinks unless enable_thinking is false, and z-lab's drafters were trained without
+    thinking: --chat turns it off unless asked; --chat KEY=VALUE passes any argument; a malformed value
+    is one line of error."""
+    from minidcut import cli as cli_mod
+    tok = models["tok"]
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+                         "{% if enable_thinking is not defined or enable_thinking %}<think>{% endif %}{{ tag or '' }}")
+    text = lambda chat: tok.decode(cli_mod.read_prompts(None, ["hi"], tok, cli_mod.parse_chat(chat))[0][0])  # noqa: E731
+    assert text("") == "<user>hi<assistant>"
+    assert text("enable_thinking=true") == "<user>hi<assistant><think>"
+    assert text('enable_thinking=false, tag="x"') == "<user>hi<assistant>x"
+    assert text("tag=plain") == "<user>hi<assistant>plain"
+    assert cli_mod.parse_chat(None) is None
+    for bad in ("enable_thinking", "=1", "a b=1"):
+        with pytest.raises(cli_mod.UserError, match="expected KEY=VALUE"):
+            cli_mod.parse_chat(bad)

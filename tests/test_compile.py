@@ -38,7 +38,7 @@ def test_compiled_ar_decoding_equals_eager_and_never_recompiles_after_warm_up(tm
     assert stats.steps >= 100  # decode steps run by the compiled graph without a recompile
     assert again == eager
     assert all(len(o) == NEW_TOKENS for o in again)
-    assert set(engine.graphs) == {("verify", 2, 0, True)}  # the one (B = 2, K = 0) verify graph
+    assert set(engine.runner.graphs.graphs) == {("verify", 2, 0, True)}  # the one (B = 2, K = 0) verify graph
 
 
 def test_setup_keeps_inductor_kernels_under_compile_cache_and_engines_touch_no_process_state(tmp_path):

@@ -220,7 +220,7 @@ def test_a_live_row_stops_only_where_full_acceptance_could_not_win(pair, monkeyp
     engine = Engine(target, drafter, Policy.dcut(CostTable([2], RHOS, [[1.0] * 5]), RHOS), batch_size=1,
                     max_seq=64, eos_ids=[], compile=False)
     monkeypatch.setattr(profiler, "timed_step", lambda e, a, p, i, limit, n, ri, reach: (costs[ri], None, torch.ones(1)))
-    monkeypatch.setattr(engine, "draft", lambda *a, **k: SimpleNamespace(gain=torch.full((5,), 0.01)))
+    monkeypatch.setattr(engine.runner, "draft", lambda *a, **k: SimpleNamespace(gain=torch.full((5,), 0.01)))
     z = torch.zeros(1, dtype=torch.long)
     row, _, _ = profiler.measure_live(engine, z, z + 3, z, [limit], [0], reach=4)
     assert sum(not math.isinf(x) for x in row) == measured
@@ -239,7 +239,7 @@ def test_a_row_measured_on_rows_at_their_end_teaches_the_skip_controller_nothing
     policy = Policy.dcut(CostTable([1], RHOS, [[1.0] * 5]), RHOS)
     engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
     batch = Batch.empty(2, engine.device)
-    engine.prefill([0, 1], Request.checked([[3, 4, 5], [6, 7]], 1, target.cfg.vocab_size, 16, 64), batch)
+    engine.runner.prefill([0, 1], Request.checked([[3, 4, 5], [6, 7]], 1, target.cfg.vocab_size, 16, 64), batch)
     assert batch.limits(2) == [0, 0] and batch.usable(engine.D) == 0
     profiler.measure_row(engine, batch, 2)
     skip = policy.skip(2)

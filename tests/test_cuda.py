@@ -235,11 +235,11 @@ def dcut_engine(gpu_pair):
 def test_dcut_after_warmup_never_recompiles_and_commits_the_ar_tokens(gpu_pair, dcut_engine):
     _, _, prompts, ar = gpu_pair
     engine, _ = dcut_engine
-    graphs = len(engine.graphs)
+    graphs = len(engine.runner.graphs.graphs)
     with torch.compiler.set_stance("fail_on_recompile"):
         outputs, stats = engine.generate(prompts, AGREE_MAX_NEW)
     assert outputs == ar
-    assert len(engine.graphs) == graphs  # warmup() had made every graph the run used
+    assert len(engine.runner.graphs.graphs) == graphs  # warmup() had made every graph the run used
     assert len([r for r in stats.rho_hist if r > 0]) >= 2  # it switched between drafting budgets
     assert stats.tau > 1.5
 
@@ -270,19 +270,19 @@ def test_steady_state_dcut_steps_replay_a_cuda_graph_per_compiled_call_and_skip_
 
 
 def test_a_drafts_tensors_stay_unchanged_while_verify_graphs_run(dcut_engine):
-    """Engine.verify reads the draft's keep_len after the verify graph ran, and Engine.step its gain.
+    """Runner.verify reads the draft's keep_len after the verify graph ran, and Engine.step its gain.
     Under CUDA graph trees every call of a compiled function may start a new generation, whose replay
     reuses the memory of the previous generation's outputs: a draft's tensors must not live there."""
     engine, _ = dcut_engine
     g = torch.Generator().manual_seed(3)
     anchor = torch.randint(0, V, (B,), generator=g).to(DEVICE)
     anchor_pos = torch.tensor([20, 33], device=DEVICE)
-    draft = engine.draft(anchor, anchor_pos, [engine.D] * B, B, engine.policy.plan(B))
+    draft = engine.runner.draft(anchor, anchor_pos, [engine.D] * B, B, engine.policy.plan(B))
     before = [t.clone() for t in (draft.drafts, draft.keep_lens, draft.gain, draft.log_s)]
     ids = torch.arange(B, device=DEVICE)
-    for ri, K in enumerate(engine.budgets(B)):
+    for ri, K in enumerate(engine.runner.graphs.budgets(B)):
         if K:
-            engine.graph("verify", B, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri])
+            engine.runner.graphs.get("verify", B, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri])
     after = [draft.drafts, draft.keep_lens, draft.gain, draft.log_s]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 

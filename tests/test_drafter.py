@@ -121,7 +121,7 @@ def prefill(target, drafter, prompts, max_seq=96):
     drafter.setup_cache(len(prompts), max_seq)
     layout, last = prefill_layout(list(range(len(prompts))), [len(p) for p in prompts], "cpu")
     tokens = torch.tensor([t for p in prompts for t in p])
-    _, taps = target(tokens, layout, logits_idx=last, taps=drafter.taps)  # what Engine.prefill does
+    _, taps = target(tokens, layout, logits_idx=last, taps=drafter.taps)  # what Runner.prefill does
     drafter.add_context(taps, layout.row, layout.pos)
 
 

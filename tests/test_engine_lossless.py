@@ -423,14 +423,15 @@ def test_a_pair_packed_for_onednn_is_lossless_under_every_policy(tmp_path):
 
 def test_eager_attention_reads_only_the_live_span(pair, monkeypatch):
     """An eager engine's attention reads the cache only up to the row's furthest token (rounded up to
-    engine.SPAN_STEP), not the whole cache, with the outputs AR's all the same (the tests above run
+    runner.SPAN_STEP), not the whole cache, with the outputs AR's all the same (the tests above run
     eager engines with other rows too). One row, so that every recorded position is a live one."""
     import minidcut.drafter
-    import minidcut.engine
+    import minidcut.graphs
+    import minidcut.runner
 
     _, target, drafter, _ = pair
     spans = collections.defaultdict(list)
-    real_causal, real_block = minidcut.engine.causal_layout, minidcut.drafter.block_mask
+    real_causal, real_block = minidcut.graphs.causal_layout, minidcut.drafter.block_mask
 
     def causal(row, pos, col, n, Q, S):
         spans["verify"].append((S, int(pos.max()) + 1))  # the positions its tokens read: 0 .. pos
@@ -439,9 +440,9 @@ def test_eager_attention_reads_only_the_live_span(pair, monkeypatch):
     def block(anchor_pos, Bs, S, *a):
         spans["draft"].append((S, int(anchor_pos.max()) + Bs))  # context and block: < anchor_pos + Bs
         return real_block(anchor_pos, Bs, S, *a)
-    monkeypatch.setattr(minidcut.engine, "causal_layout", causal)
+    monkeypatch.setattr(minidcut.graphs, "causal_layout", causal)
     monkeypatch.setattr(minidcut.drafter, "block_mask", block)
-    prompts, max_seq, step = prompts_for(1)[:1], 512, minidcut.engine.SPAN_STEP
+    prompts, max_seq, step = prompts_for(1)[:1], 512, minidcut.runner.SPAN_STEP
     outputs = run(target, drafter, Policy.static(0.5), 1, prompts, 40, max_seq=max_seq)[0]
     monkeypatch.undo()
     assert outputs == run(target, None, Policy.ar(), 1, prompts, 40, max_seq=max_seq)[0]

@@ -86,7 +86,7 @@ def check_no_recompile_after_warm_up(target, drafter):
     policy.table = mixed_table()
     policy.reset()
     engine.generate(prompts[:3], 12)
-    assert {k for kind, b, k, _ in engine.graphs if kind == "verify" and b == B} == Ks
+    assert {k for kind, b, k, _ in engine.runner.graphs.graphs if kind == "verify" and b == B} == Ks
 
     with torch.compiler.set_stance("fail_on_recompile"):
         outputs, stats = engine.generate(prompts, NEW_TOKENS)
@@ -138,13 +138,13 @@ def test_warmup_of_one_bucket_runs_every_graph_of_that_bucket_and_no_other(tiny_
     engine = Engine(target, drafter, Policy.dcut(mixed_table(), GRID, calibrate=False), batch_size=B,
                     max_seq=MAX_SEQ, eos_ids=[], compile=False)
     catch_ups = []
-    monkeypatch.setattr(drafter, "sync_context", lambda row, pos: catch_ups.append(len(pos)))
+    monkeypatch.setattr(drafter, "catch_up", lambda row, pos: catch_ups.append(len(pos)))
     engine.warmup(B, min_batch=B)
     assert catch_ups == [1]
     reachable = engine.reachable(B, min_batch=B)
     assert {k[1] for k in reachable} == {B} and ("draft", B, 0, True) in reachable
     assert ("verify", B, 0, True) in reachable and ("verify", B, 0, False) in reachable
-    assert dict(engine.calls) == {k: 3 for k in reachable}
+    assert dict(engine.runner.graphs.calls) == {k: 3 for k in reachable}
 
 
 @pytest.mark.slow
@@ -167,7 +167,7 @@ def test_profiling_then_decoding_in_one_process_never_recompiles_or_reallocates(
     engine = Engine(target, drafter, policy, batch_size=B, max_seq=MAX_SEQ, eos_ids=[], compile=True)
     pointers = cache_pointers(target, drafter)
     engine.warmup()
-    assert engine.calls and all(engine.calls[k] >= 3 for k in engine.reachable())
+    assert engine.runner.graphs.calls and all(engine.runner.graphs.calls[k] >= 3 for k in engine.reachable())
     with torch.compiler.set_stance("fail_on_recompile"):
         outputs, stats = engine.generate(prompts, NEW_TOKENS)
     assert outputs == ar and stats.seconds["profile"] > 0 and policy.table.batch_sizes == sorted(stats.bucket_hist)

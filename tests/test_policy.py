@@ -91,10 +91,10 @@ def test_rho_star_as_the_engine_composes_it(tmp_path, gain, expected):
                     compile=False)
     policy.calibration.gain_scale = 0.5
     z = torch.zeros(2, dtype=torch.long)
-    draft = engine.draft(z, z + 3, [15, 15], 2, policy.plan(2))
+    draft = engine.runner.draft(z, z + 3, [15, 15], 2, policy.plan(2))
     assert policy.rhos[draft.rho_index] == expected
     # The same decision by hand: argmax (scale * gain + anchors) / cost.
-    g = dcut.select(torch.full((2, 15), 0.7), torch.full((2,), 15), engine.budgets(2)).gains
+    g = dcut.select(torch.full((2, 15), 0.7), torch.full((2,), 15), engine.runner.graphs.budgets(2)).gains
     by_hand = (0.5 * g + (2 if gain == "committed" else 0)) / torch.tensor([1.6, 1.6, 1.8, 2.4, 3.0])
     assert int(torch.argmax(by_hand)) == draft.rho_index
 
@@ -273,11 +273,11 @@ def test_probes_are_priced_at_the_dearest_budget_the_rule_may_pick():
 def test_a_probes_catch_up_is_priced_per_position_it_writes():
     s = skip(CostTable([64], RHOS, [[1.0, 8.0, 9.0, 10.0, 11.0]]), 64)
     room = s.room(s.cost)
-    assert s.probe_period(unsynced=1000) == period(10.0, room)  # not measured yet
+    assert s.probe_period(behind=1000) == period(10.0, room)  # not measured yet
     s.observe(drafting(64, 0.25, 0.0, catchup=2.0, caught_up=400))  # 2 AR steps for 400 positions
     assert s.catchup_per_position == pytest.approx(0.005)
     assert s.probe_period() == period(10.0, room)  # nothing to catch up
-    assert s.probe_period(unsynced=800) == period(14.0, room)
+    assert s.probe_period(behind=800) == period(14.0, room)
 
 
 def test_a_probe_waits_while_its_catch_up_grows_faster_than_ar_steps_earn_it_then_runs_on_fresh_rows():
@@ -290,8 +290,8 @@ def test_a_probe_waits_while_its_catch_up_grows_faster_than_ar_steps_earn_it_the
     for _ in range(2):  # nothing accepted: drafting goes off
         s.observe(drafting(64, 0.25, 0.0, catchup=0.5, caught_up=100))
     assert s.state == "off" and s.catchup_per_position == pytest.approx(0.005)
-    assert not any(s.draft_now(unsynced=64 * (i + 1)) for i in range(2000))
-    assert s.draft_now(unsynced=64)  # 2001 AR steps earned far more than a probe with 64 positions to write
+    assert not any(s.draft_now(behind=64 * (i + 1)) for i in range(2000))
+    assert s.draft_now(behind=64)  # 2001 AR steps earned far more than a probe with 64 positions to write
 
 
 def test_only_a_step_of_drafting_that_is_on_drafts_the_next_block_ahead():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import minidcut.engine
+import minidcut.graphs
 from minidcut.dcut import select
 from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
@@ -246,7 +246,7 @@ def test_speculative_sampling_is_lossless_and_a_wrong_acceptance_rule_is_caught(
         cut.append(int((sel.keep_lens < torch.isfinite(sel.log_s).sum(1)).sum()))  # [n_rho, B]
         return sel
 
-    monkeypatch.setattr(minidcut.engine, "select", spy_select)
+    monkeypatch.setattr(minidcut.graphs, "select", spy_select)
     for policy in (Policy.full(), Policy.static(0.5)):
         cut.clear()
         tv, stats = tv_to_exact(target, drafter, policy, exact)
@@ -262,7 +262,7 @@ def test_speculative_sampling_is_lossless_and_a_wrong_acceptance_rule_is_caught(
         top2["last"] = logits.topk(2, dim=-1).indices
         return sample(logits, temperature, top_p, keys)
 
-    monkeypatch.setattr(minidcut.engine, "sample", spy_sample)
-    monkeypatch.setattr(minidcut.engine, "accept", lambda d, k, t: top2_accept(d, k, t, top2))
+    monkeypatch.setattr(minidcut.graphs, "sample", spy_sample)
+    monkeypatch.setattr(minidcut.graphs, "accept", lambda d, k, t: top2_accept(d, k, t, top2))
     tv, _ = tv_to_exact(target, drafter, Policy.static(0.5), exact)
     assert tv > 2 * bound, (tv, bound)

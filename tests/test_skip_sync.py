@@ -1,6 +1,6 @@
 """Skipped drafting does not cost the drafter its context: while drafting is off, verification only
 holds the target's taps, and the next drafting step writes the missing context K/V from them
-(Engine.write_context, in the step's one host-to-device copy), reporting the seconds it took to the
+(runner.Runner.catch_up, in the step's one host-to-device copy), reporting the seconds it took to the
 policy. Checked against the K/V computed from scratch over the committed text, with a control where the
 catch-up is switched off (the check must then fail)."""
 
@@ -25,12 +25,12 @@ class SkipsThenDrafts(Policy):
 
     def __init__(self, skips: int):
         super().__init__("static", [0.5])
-        self.skips, self.catchups, self.unsynced = skips, [], []
+        self.skips, self.catchups, self.behind = skips, [], []
 
-    def plan(self, bucket, unsynced=0, n_live=None, usable=None):
+    def plan(self, bucket, behind=0, n_live=None, usable=None):
         self.skips -= 1
-        self.unsynced.append(unsynced)
-        return dataclasses.replace(super().plan(bucket, unsynced, n_live, usable), draft=self.skips < 0)
+        self.behind.append(behind)
+        return dataclasses.replace(super().plan(bucket, behind, n_live, usable), draft=self.skips < 0)
 
     def observe(self, rec):
         self.catchups.append((rec.catchup, rec.caught_up))
@@ -70,13 +70,14 @@ def test_drafting_after_skipped_steps_sees_the_whole_context(pair, monkeypatch, 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 90, (L,), generator=g).tolist() for L in (7, 12)]
     if not catch_up:
-        monkeypatch.setattr(Engine, "write_context", lambda self, sent: 0.0)
+        from minidcut.runner import Runner
+        monkeypatch.setattr(Runner, "catch_up", lambda self, sent: 0.0)
     policy = SkipsThenDrafts(skips=6)
     engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
     outputs, stats = engine.generate(prompts, 24)
     assert stats.rho_hist[0.0] == 6 and stats.rho_hist[0.5] >= 1  # skipped 6 steps, then drafted
     if catch_up:  # only the first drafting step caught up: the 2 x 6 positions the plans were told of
-        assert policy.unsynced[:7] == [0, 2, 4, 6, 8, 10, 12] and policy.unsynced[7] == 0
+        assert policy.behind[:7] == [0, 2, 4, 6, 8, 10, 12] and policy.behind[7] == 0
         assert policy.catchups[6][0] > 0 and policy.catchups[6][1] == 12
         assert policy.catchups[:6] == [(0.0, 0)] * 6 and not any(c for c, _ in policy.catchups[7:])
     err = context_kv_error(target, drafter, prompts, outputs)
@@ -122,7 +123,7 @@ def test_a_prefill_where_drafting_is_off_leaves_the_prompts_context_to_the_catch
     outputs, stats = engine.generate(prompts, 20, on_step=lambda s, rec: per_step.append(list(fused)))
     assert per_step[4] == []  # the prefill and 5 skipped steps: no fc
     assert per_step[5][0] == 7 + 10  # the catch-up: 3 + 4 prompt positions, and 2 rows x 5 steps
-    assert policy.unsynced[:6] == [7, 9, 11, 13, 15, 17] and policy.catchups[5][1] == 17
+    assert policy.behind[:6] == [7, 9, 11, 13, 15, 17] and policy.catchups[5][1] == 17
     assert context_kv_error(target, drafter, prompts, outputs) < 1e-4
     ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=64, eos_ids=[], compile=False).generate(prompts, 20)
     assert outputs == ar
@@ -151,9 +152,9 @@ def test_a_runs_decode_seconds_hold_the_policys_plan_and_feedback(pair):
     """tok/s is generated tokens over prefill + decode seconds: a policy's work before and after each
     step (plan, observe) counts, as it does in the wall time a user waits."""
     class Slow(SkipsThenDrafts):
-        def plan(self, bucket, unsynced=0, n_live=None, usable=None):
+        def plan(self, bucket, behind=0, n_live=None, usable=None):
             time.sleep(0.01)
-            return super().plan(bucket, unsynced, n_live, usable)
+            return super().plan(bucket, behind, n_live, usable)
 
         def observe(self, rec):
             time.sleep(0.01)

@@ -32,8 +32,8 @@ class Probing(Policy):
     def __init__(self):
         super().__init__("static", [0.5])
 
-    def plan(self, bucket, unsynced=0, n_live=None, usable=None):
-        return dataclasses.replace(super().plan(bucket, unsynced, n_live, usable), ahead=False)
+    def plan(self, bucket, behind=0, n_live=None, usable=None):
+        return dataclasses.replace(super().plan(bucket, behind, n_live, usable), ahead=False)
 
 
 def tiny_pair(tmp_path):
@@ -54,12 +54,12 @@ def test_a_steady_step_copies_once_each_way_when_it_drafts_and_once_back_when_it
         policy = Policy.ar()
     engine = Engine(target, drafter if forced else None, policy, batch_size=4, max_seq=96, eos_ids=[], compile=False)
     counts, per_step, inside = collections.Counter(), [], []
-    real_counted = engine.counted
+    real_counted = engine.runner.graphs.counted
 
     def counted(key, fn):  # mark the time spent inside a graph
         run = real_counted(key, fn)
         return lambda *a: (inside.append(1), run(*a), inside.pop())[1]
-    engine.counted = counted
+    engine.runner.graphs.counted = counted
     for name, owner in (("item", torch.Tensor), ("cpu", torch.Tensor), ("tolist", torch.Tensor)):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda self, *a, _r=real, _n=name, **k: (counts.update([_n]), _r(self, *a, **k))[1])
@@ -67,7 +67,7 @@ def test_a_steady_step_copies_once_each_way_when_it_drafts_and_once_back_when_it
     monkeypatch.setattr(torch, "tensor", lambda *a, **k: (counts.update([] if inside else ["tensor"]),
                                                           real_tensor(*a, **k))[1])
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (
-        counts.update(["h2d"] if src.untyped_storage().data_ptr() == engine.staging.host.untyped_storage().data_ptr() else []), real_copy(self, src, *a, **k))[1])
+        counts.update(["h2d"] if src.untyped_storage().data_ptr() == engine.runner.staging.host.untyped_storage().data_ptr() else []), real_copy(self, src, *a, **k))[1])
 
     def on_step(stats, rec):
         per_step.append((rec.drafted, dict(counts)))
@@ -92,15 +92,15 @@ def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
             super().__init__("static", [0.5])
             self.n = 0
 
-        def plan(self, bucket, unsynced=0, n_live=None, usable=None):
+        def plan(self, bucket, behind=0, n_live=None, usable=None):
             self.n += 1
-            return dataclasses.replace(super().plan(bucket, unsynced, n_live, usable), draft=self.n % 2 == 1)
+            return dataclasses.replace(super().plan(bucket, behind, n_live, usable), draft=self.n % 2 == 1)
 
     target, drafter = tiny_pair(tmp_path)
     engine = Engine(target, drafter, Alternating(), batch_size=2, max_seq=96, eos_ids=[], compile=False)
     fresh = []
-    real_draft = engine.run_draft
-    engine.run_draft = lambda *a, **k: (fresh.append(1), real_draft(*a, **k))[1]
+    real_draft = engine.runner.run_draft
+    engine.runner.run_draft = lambda *a, **k: (fresh.append(1), real_draft(*a, **k))[1]
     prompts = [[3, 5, 7], [4, 6, 8, 10]]
     out, stats = engine.generate(prompts, 20)
     ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=96, eos_ids=[], compile=False).generate(prompts, 20)
@@ -118,7 +118,7 @@ def test_a_probe_drafts_no_block_ahead(tmp_path):
     for name, policy in (("probing", Probing()), ("drafting", Policy.static(0.5))):
         engine = Engine(target, drafter, policy, batch_size=2, max_seq=96, eos_ids=[], compile=False)
         out, stats = engine.generate(prompts, 20)
-        runs[name] = (out, stats.steps, sum(n for k, n in engine.calls.items() if k[0] == "draft"))
+        runs[name] = (out, stats.steps, sum(n for k, n in engine.runner.graphs.calls.items() if k[0] == "draft"))
     ar, _ = Engine(target, None, Policy.ar(), batch_size=2, max_seq=96, eos_ids=[], compile=False).generate(prompts, 20)
     out, steps, drafts = runs["probing"]
     assert out == ar and drafts == steps
@@ -129,18 +129,21 @@ def test_a_probe_drafts_no_block_ahead(tmp_path):
 def test_a_steps_seconds_hold_one_draft_as_a_cost_table_entry_does(tmp_path, monkeypatch):
     """A fresh draft that also drafts ahead runs the draft graph twice; its record's seconds (which
     refine the cost table) leave the first out, and its redraft holds it (the skip controller charges
-    it to drafting). A probe drafts afresh and not ahead: its one draft is in its seconds."""
+    it to drafting). A probe drafts afresh and not ahead: its one draft is in its seconds. On a clock
+    that moves only while a fresh draft runs (10 s each)."""
     target, drafter = tiny_pair(tmp_path)
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     first = {}
     for name, policy in (("drafting", Policy.static(0.5)), ("probing", Probing())):
         engine = Engine(target, drafter, policy, batch_size=2, max_seq=96, eos_ids=[], compile=False)
-        real = engine.run_draft
-        monkeypatch.setattr(engine, "run_draft", lambda *a, _r=real: (time.sleep(0.3), _r(*a))[1])  # fresh only
+        real = engine.runner.run_draft
+        monkeypatch.setattr(engine.runner, "run_draft", lambda *a, _r=real: (now.__setitem__(0, now[0] + 10.0), _r(*a))[1])
         records = []
         engine.generate([[3, 5, 7], [4, 6, 8, 10]], 8, on_step=lambda stats, rec: records.append(rec))
         first[name] = records[0].seconds, records[0].redraft  # the first step drafts afresh
-    assert first["drafting"][0] < 0.3 <= first["drafting"][1]  # the fresh draft: charged apart
-    assert first["probing"][0] >= 0.3 and first["probing"][1] == 0.0
+    assert first["drafting"] == (0.0, 10.0)  # the fresh draft: charged apart
+    assert first["probing"] == (10.0, 0.0)
 
 
 def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
@@ -153,22 +156,22 @@ def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
             super().__init__("static", [0.5])
             self.n = 0
 
-        def plan(self, bucket, unsynced=0, n_live=None, usable=None):
+        def plan(self, bucket, behind=0, n_live=None, usable=None):
             self.n += 1
-            return dataclasses.replace(super().plan(bucket, unsynced, n_live, usable), draft=self.n % 3 != 0)
+            return dataclasses.replace(super().plan(bucket, behind, n_live, usable), draft=self.n % 3 != 0)
 
     target, drafter = tiny_pair(tmp_path)
     engine = Engine(target, drafter, Alternating(), batch_size=4, max_seq=128, eos_ids=[], compile=False)
     counts, per_step, inside, seen = collections.Counter(), [], [], collections.Counter()
-    real_counted = engine.counted
+    real_counted = engine.runner.graphs.counted
 
     def counted(key, fn):
         run = real_counted(key, fn)
         return lambda *a: (inside.append(1), run(*a), inside.pop())[1]
-    engine.counted = counted
-    for name in ("prefill", "move_rows", "write_context", "run_draft"):
-        real = getattr(engine, name)
-        setattr(engine, name, lambda *a, _r=real, _n=name, **k: (seen.update([_n]), counts.update([_n]), _r(*a, **k))[2])
+    engine.runner.graphs.counted = counted
+    for name in ("prefill", "move_rows", "catch_up", "run_draft"):
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, _r=real, _n=name, **k: (seen.update([_n]), counts.update([_n]), _r(*a, **k))[2])
     for name in ("item", "cpu"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: (counts.update([_n]), _r(self, *a, **k))[1])
@@ -178,7 +181,7 @@ def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (counts.update(["to device"] if not inside and (
         k.get("device") is not None or any(isinstance(x, (str, torch.device)) for x in a)) else []), real_to(self, *a, **k))[1])
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (
-        counts.update(["h2d"] if src.untyped_storage().data_ptr() == engine.staging.host.untyped_storage().data_ptr() else []), real_copy(self, src, *a, **k))[1])
+        counts.update(["h2d"] if src.untyped_storage().data_ptr() == engine.runner.staging.host.untyped_storage().data_ptr() else []), real_copy(self, src, *a, **k))[1])
 
     prompts = [[3 + i, 5, 7, 9, 11][: 2 + i % 4] for i in range(7)]
     lengths = [12, 30, 20, 44, 16, 26, 36]  # finishing at different steps: rows free while others decode
@@ -190,7 +193,7 @@ def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
             engine.step(batch, pending, stats)
             per_step.append(dict(counts))
     # 7 requests on 4 rows: admissions mid-run; the tail compacts; AR steps make drafting catch up
-    assert seen["prefill"] > 1 and seen["move_rows"] >= 1 and seen["write_context"] >= 1 and seen["run_draft"] >= 1
+    assert seen["prefill"] > 1 and seen["move_rows"] >= 1 and seen["catch_up"] >= 1 and seen["run_draft"] >= 1
     for c in per_step:
         assert c.get("to device", 0) == 0 and c.get("item", 0) == 0
         assert c.get("h2d", 0) <= 1 + c.get("prefill", 0)
@@ -210,7 +213,7 @@ def test_a_draft_made_ahead_picks_rho_with_the_policys_latest_plan(tmp_path):
     plans, read = [], []
     real_plan = policy.plan
     policy.plan = lambda *a, **k: (plans.append(real_plan(*a, **k)), plans[-1])[1]
-    real_graph = engine.graph
+    real_graph = engine.runner.graphs.get
 
     def graph(kind, b, *a, **k):
         fn = real_graph(kind, b, *a, **k)
@@ -220,7 +223,7 @@ def test_a_draft_made_ahead_picks_rho_with_the_policys_latest_plan(tmp_path):
         return lambda anchor, pos, inputs, *rest: (read.append((len(plans), inputs[b + 1].item(),
                                                                  inputs[b + 2: b + 2 + n_rho].tolist())),
                                                    fn(anchor, pos, inputs, *rest))[1]
-    engine.graph = graph
+    engine.runner.graphs.get = graph
     engine.generate([[3, 5, 7, 9, 11], [4, 6, 8, 10, 12]], 48)
     assert len(read) > 6 and len({(g, tuple(c)) for _, g, c in read}) > 2  # the plans moved
     for n_plans, gain_scale, cost in read:
@@ -233,8 +236,8 @@ def test_the_draft_made_ahead_counts_as_drafting_in_the_stats(tmp_path, monkeypa
     """The next block is drafted inside verify(): its seconds go to stats.seconds['draft'], not 'verify'."""
     target, drafter = tiny_pair(tmp_path)
     engine = Engine(target, drafter, Policy.static(0.5), batch_size=2, max_seq=96, eos_ids=[], compile=False)
-    real_graph = engine.graph
-    monkeypatch.setattr(engine, "graph", lambda kind, *a, **k: (
+    real_graph = engine.runner.graphs.get
+    monkeypatch.setattr(engine.runner.graphs, "get", lambda kind, *a, **k: (
         lambda *x, _f=real_graph(kind, *a, **k): (time.sleep(0.05), _f(*x))[1]) if kind == "draft" else real_graph(kind, *a, **k))
     _, stats = engine.generate([[3, 5, 7], [4, 6, 8, 10]], 24)
     drafts = sum(stats.drafting_hist.values())  # every drafting step ran one draft (ahead or fresh)

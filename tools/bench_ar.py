@@ -66,7 +66,7 @@ def bytes_per_step(target, max_seq: int, batch: int) -> int:
     """Bytes an AR step reads: every weight matrix once (an embedding tied to the lm_head counts once:
     the head reads it whole, the lookup one row per token), norms, and each layer's static K/V cache
     rows over all max_seq positions (what a compiled step reads; an eager one reads its span,
-    Engine.span, fewer early in a run: for it an upper bound). Packed weights (layers.PackedLinear)
+    runner.Runner.span, fewer early in a run: for it an upper bound). Packed weights (layers.PackedLinear)
     count as what they hold."""
     weights = {}
     for m in target.modules():

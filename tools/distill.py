@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model directory (HF layout)")
     p.add_argument("--prompts", required=True, help='JSONL of {"prompt": "..."} (or {"messages": [...]}) lines')
-    p.add_argument("--chat", action="store_true", help="put each prompt under the chat template")
+    cli.add_chat_arg(p)
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     console = Console()
     tok = load_tokenizer(args.target)
-    every, _ = cli.read_prompts(args.prompts, None, tok, args.chat, args.target)
+    every, _ = cli.read_prompts(args.prompts, None, tok, cli.parse_chat(args.chat), args.target)
     ids = [x for x in every[: args.limit] if len(x) <= args.max_prompt_tokens]
     console.log(f"{len(ids)} prompts of {len(every[: args.limit])} fit --max-prompt-tokens {args.max_prompt_tokens}")
     target = load_target(args.target)

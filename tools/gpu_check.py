@@ -403,11 +403,11 @@ def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, e
     def one_pass(spec):
         """One generate(): its stats, the graph runs it made and the host syncs CUDA saw per step."""
         engine, drafted = engines[spec], []
-        graphs, runs = len(engine.graphs), sum(engine.calls.values())
+        graphs, runs = len(engine.runner.graphs.graphs), sum(engine.runner.graphs.calls.values())
         with count_syncs(engine.device) as syncs:
             _, stats = engine.generate(prompts, s["new_tokens"], on_step=lambda st, rec: drafted.append(rec.drafted))
-        return dict(stats.as_dict(), drafting_steps=sum(drafted), new_graphs=len(engine.graphs) - graphs,
-                    graph_runs=sum(engine.calls.values()) - runs,
+        return dict(stats.as_dict(), drafting_steps=sum(drafted), new_graphs=len(engine.runner.graphs.graphs) - graphs,
+                    graph_runs=sum(engine.runner.graphs.calls.values()) - runs,
                     syncs_per_step=len(syncs) / max(stats.steps, 1) if syncs is not None else None)
 
     for spec in engines:

@@ -40,7 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="drafter directory (default: the demo drafter)")
     p.add_argument("--prompts", default=str(cli.MODELS / "prompts_heldout.jsonl"),
                    help="JSONL prompt file, as generate's --prompts (default: the held-out code prompts)")
-    p.add_argument("--chat", action="store_true", help="pass --chat to generate")
+    p.add_argument("--chat", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
+                   help="pass --chat (and its template arguments) to generate")
     p.add_argument("--batch-sizes", default="1,4,16,32,64", help="comma-separated (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 8))")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
@@ -57,7 +58,7 @@ def one_run(args, policy: str, prompts: Path, table: Path, B: int, work: Path) -
     cmd = [sys.executable, "-m", "minidcut.generate", "--target", args.target, "--drafter", args.drafter,
            "--policy", policy, "--prompts", str(prompts), "--batch-size", str(B), "--max-new-tokens",
            str(args.max_new_tokens), "--cost-table", str(table), "--stats", str(stats), "--quiet"]
-    cmd += ["--chat"] * args.chat + (["--threads", str(args.threads)] if args.threads else [])
+    cmd += ([] if args.chat is None else ["--chat"] + [args.chat] * bool(args.chat)) + (["--threads", str(args.threads)] if args.threads else [])
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0

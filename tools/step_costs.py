@@ -48,25 +48,25 @@ def parts(engine: Engine, B: int, context_len: int) -> dict:
     """name -> a callable running that part of a step at batch size B (all rows at context_len)."""
     target, drafter = engine.target, engine.drafter
     prompts = torch.randint(0, target.cfg.vocab_size, (B, context_len), generator=torch.Generator().manual_seed(0))
-    anchor = engine.prefill(list(range(B)), [Request(i, p, 1) for i, p in enumerate(prompts.tolist())])
+    anchor = engine.runner.prefill(list(range(B)), [Request(i, p, 1) for i, p in enumerate(prompts.tolist())])
     pos = torch.full((B,), context_len)
     ids = torch.arange(B)
     D = engine.D
     h = torch.randn(B * D, target.cfg.hidden_size, dtype=drafter.fc.weight.dtype)
     logits = drafter(target, anchor, pos)
     conf = torch.softmax(logits.float(), -1).max(-1).values
-    Ks = engine.budgets(B)
+    Ks = engine.runner.graphs.budgets(B)
     plan = engine.policy.plan(B)
-    draft = engine.draft(anchor, pos, [D] * B, B, plan)
-    out = {"AR step (verify K=0)": lambda: engine.graph("verify", B, 0, kv=False)(anchor, pos, ids, None, None),
+    draft = engine.runner.draft(anchor, pos, [D] * B, B, plan)
+    out = {"AR step (verify K=0)": lambda: engine.runner.graphs.get("verify", B, 0, write=False)(anchor, pos, ids, None, None),
            "drafter forward": lambda: drafter(target, anchor, pos),
            "  of it: lm_head on B*D rows": lambda: linear(h, drafter.head),
            "softmax + max over V (or V')": lambda: torch.softmax(logits.float(), -1).max(-1),
            "selector (scores, keep_len, gains)": lambda: dcut.select(conf, torch.full((B,), D), Ks),
-           "draft graph (all of the above + rho*)": lambda: engine.draft(anchor, pos, [D] * B, B, plan)}
+           "draft graph (all of the above + rho*)": lambda: engine.runner.draft(anchor, pos, [D] * B, B, plan)}
     for ri, (rho, K) in enumerate(zip(engine.policy.rhos, Ks)):
         if K:
-            out[f"verify rho={rho:g} (T={B + K})"] = (lambda ri=ri, K=K: engine.graph("verify", B, K)(
+            out[f"verify rho={rho:g} (T={B + K})"] = (lambda ri=ri, K=K: engine.runner.graphs.get("verify", B, K)(
                 anchor, pos, ids, draft.drafts, draft.keep_lens[ri]))
     return out
 

@@ -46,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="drafter directory (default: the demo drafter)")
     p.add_argument("--prompts", default=str(cli.MODELS / "prompts_heldout.jsonl"),
                    help="JSONL prompt file, as bench's --prompts (default: the held-out code prompts)")
-    p.add_argument("--chat", action="store_true", help="pass --chat to bench")
+    p.add_argument("--chat", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
+                   help="pass --chat (and its template arguments) to bench")
     p.add_argument("--policies", default="ar,full,static:0.25,static:0.5,static:0.75,dcut",
                    help="bench's --policies; must hold dcut and ar (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
@@ -75,7 +76,7 @@ def one_run(args, B: int, work: Path) -> dict:
         value = getattr(args, name)
         if value is not None:
             cmd += [f"--{name.replace('_', '-')}", str(value)]
-    cmd += ["--chat"] * args.chat + ["--lockstep"] * args.lockstep
+    cmd += ([] if args.chat is None else ["--chat"] + [args.chat] * bool(args.chat)) + ["--lockstep"] * args.lockstep
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:

@@ -1,0 +1,205 @@
+"""The runner: everything of a step that touches the device. It owns the caches, the decode graphs
+(graphs.py), the prefill, row moves, the catch-up of the drafter's context, attention spans, and the
+step's one copy each way (staging.py). The engine (engine.py) decides; the runner carries it out.
+
+Host <-> device per step: at most one copy to the device (Runner.send: a drafting step's draft inputs,
+the rows a compaction moves, the positions a catch-up writes), and one to the host in the steady state
+(Runner.verify: the committed tokens, with the pick of the draft made ahead). A fresh draft syncs once
+more, on its pick. An admission's prefill is one copy each way of its own.
+
+The draft made ahead. A drafting step that is not a probe drafts the next step's block right after its
+verification (Runner.verify, ahead=True). It reuses this step's draft inputs on the device, its plan's
+gain scale and costs, with each row's limit lowered by what the row committed: the next step's rho* is
+chosen with this step's calibration and costs (one step of lag), and its pick crosses to the host with
+this step's tokens. It is kept as batch.ahead and used by the next step unless a row changed hands or
+the bucket changed (Batch.take_ahead).
+
+Attention span: a compiled graph's attention reads every cache position (static shapes); an eager step
+reads only the positions up to the live rows' furthest token, rounded up to SPAN_STEP (Runner.span), so
+on a CPU a run pays mostly for its context, not for the cache it allocated (a longer cache still slows
+the same span's attention somewhat: cli.max_seq sizes eager caches tightly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from .batch import Ahead, Batch, Request
+from .graphs import Draft, DraftInputs, Graphs
+from .model import prefill_layout
+from .policy import StepPlan
+from .sampling import sample, sample_keys
+from .staging import Staging
+from .stats import Interval
+
+SPAN_STEP = 16  # eager steps read the cache in multiples of this many positions (Runner.span)
+
+
+@dataclasses.dataclass
+class Sent:
+    """What a step sent to the device in its one copy (None: nothing of that kind)."""
+
+    draft_inputs: torch.Tensor | None = None  # DraftInputs [b + 2 + n_rho]
+    caught_up: int = 0  # positions whose drafter context the catch-up wrote
+    catchup_seconds: float = 0.0
+
+
+class Runner:
+    def __init__(self, target, drafter, policy, batch_size: int, max_seq: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, compile: bool = True, on_compile=None):
+        self.target, self.drafter, self.max_seq, self.compile = target, drafter, max_seq, compile
+        self.block = drafter.block_size if drafter is not None else 1
+        self.device = target.model.embed_tokens.weight.device
+        self.graphs = Graphs(target, drafter, policy, self.block, max_seq, temperature, top_p, seed, compile,
+                             on_compile)
+        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        # The caches are allocated once, here, at the run's rows and positions; everything that steps
+        # this engine (the profiler too) uses them, so the compiled graphs never see another tensor.
+        target.setup_cache(batch_size, max_seq)
+        if drafter is not None:
+            drafter.setup_cache(batch_size, max_seq)
+        self.n_draft_inputs = DraftInputs.size(batch_size, len(policy.rhos))
+        self.staging = Staging(self.n_draft_inputs, self.device)  # the draft inputs at a fixed place
+
+    # ---- attention spans -------------------------------------------------------------------------
+
+    def span(self, reach: int) -> int | None:
+        """Cache positions a step's attention reads when its furthest token sits at position reach - 1.
+        Eager: those, rounded up to a multiple of SPAN_STEP. Compiled: None, all of them (one static
+        shape per graph)."""
+        return None if self.compile else min(self.max_seq, -(-reach // SPAN_STEP) * SPAN_STEP)
+
+    def draft_span(self, reach: int) -> int | None:
+        """The span of a draft from anchors before `reach`: its block lies past each anchor."""
+        return self.span(reach + self.block)
+
+    def verify_span(self, reach: int, K: int) -> int | None:
+        """The span of a verification with K kept drafts at most, anchors before `reach`: each row
+        verifies its anchor and at most min(D, K) drafts after it."""
+        return self.span(reach + min(self.block, K + 1) - 1)
+
+    # ---- the step's copy to the device -----------------------------------------------------------
+
+    def send(self, batch: Batch, b: int, plan: StepPlan | None, moved: list[int]) -> Sent:
+        """The step's host inputs in one copy: the draft inputs of its plan (for a fresh draft or for the
+        one it drafts ahead; plan None: the step does not draft), the rows a compaction moved, and the
+        positions whose drafter context was skipped (they are caught up before a draft). Applies the
+        moves and the catch-up."""
+        inputs = self.staging.put(DraftInputs.pack(batch.limits(b), len(batch.live), plan), fixed=True) \
+            if plan is not None else None
+        rows = self.staging.put(moved) if moved else None
+        behind = batch.behind() if plan is not None else []
+        positions = self.staging.put(behind) if behind else None
+        self.staging.send()
+        if rows is not None:
+            self.move_rows(batch, rows.device)
+        sent = Sent(inputs.device if inputs is not None else None)
+        if positions is not None:
+            sent.caught_up, sent.catchup_seconds = len(behind) // 2, self.catch_up(positions.device)
+        return sent
+
+    def move_rows(self, batch: Batch, sent: torch.Tensor) -> None:
+        """Copy the device state of moved rows: sent [src rows + dst rows] (Engine.compact) on the device.
+        The rows' anchors and target and drafter cache rows (K/V and held taps) go from src to dst."""
+        s, d = sent.long().chunk(2)
+        caches = list(self.target.caches) + (list(self.drafter.caches) if self.drafter is not None else [])
+        for c in caches:
+            c.k[d], c.v[d] = c.k[s], c.v[s]
+        if self.drafter is not None:
+            self.drafter.held_taps[d] = self.drafter.held_taps[s]
+        for t in (batch.anchor, batch.anchor_pos, batch.request_ids):
+            t[d] = t[s]
+
+    def catch_up(self, sent: torch.Tensor) -> float:
+        """Write the drafter's context K/V of positions committed while it was not written, from the held
+        taps: sent [rows + positions] (Batch.behind) on the device. Returns its seconds."""
+        t0 = time.perf_counter()
+        self.drafter.catch_up(*sent.long().chunk(2))
+        return time.perf_counter() - t0
+
+    def catch_up_batch(self, batch: Batch) -> float:
+        """catch_up for every live row of the batch, in a copy of its own (the profiler, before it times
+        drafting steps). Returns its seconds."""
+        behind = batch.behind()
+        if not behind:
+            return 0.0
+        staged = self.staging.put(behind)
+        self.staging.send()
+        return self.catch_up(staged.device)
+
+    # ---- draft and verify ------------------------------------------------------------------------
+
+    def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, limit: list[int], n_live: int,
+              plan: StepPlan, span: int | None = None) -> Draft:
+        """A fresh draft at bucket b = len(anchor) with its own copy of the inputs (the profiler, warmup):
+        limit: drafts each row can still use (0 for an empty row). Syncs once: rho* picks the verify graph."""
+        staged = self.staging.put(DraftInputs.pack(limit, n_live, plan), fixed=True)
+        self.staging.send()
+        return self.run_draft(anchor, anchor_pos, staged.device, span)
+
+    def run_draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, inputs: torch.Tensor,
+                  span: int | None = None) -> Draft:
+        """The draft graph on inputs already on the device (DraftInputs); syncs on the pick."""
+        out = self.graphs.get("draft", anchor.shape[0])(anchor, anchor_pos, inputs, span)
+        return Draft.from_graph(out, out[4].cpu())  # [rho index, its gain]: the host sync of this draft
+
+    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, ahead: bool):
+        """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft) and
+        move the rows' anchors on; ahead: then draft the next step's block (the module docstring) into
+        batch.ahead. Returns, on the host: commit [b, block], n_commit [b], kept [b], and the seconds of
+        the draft made ahead (0 without one: drafting's, not verification's)."""
+        reach = batch.reach
+        Q = min(self.block, K + 1)  # the longest row verified
+        keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
+        # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
+        # a step that did not only holds the target's taps (caught up before the next draft).
+        fn = self.graphs.get("verify", b, K, write=draft is not None or self.drafter is None)
+        commit, n_commit, anchor, anchor_pos = fn(batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
+                                                  draft.drafts if draft else None, keep_len, self.verify_span(reach, K))
+        batch.anchor[:b], batch.anchor_pos[:b] = anchor, anchor_pos
+        kept = keep_len if K else torch.zeros_like(n_commit)
+        host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1)  # [b, block + 2]
+        drafting = Interval(self.device)
+        if ahead:  # the next draft: this step's inputs, each row's limit less what it commits
+            drafting.start()
+            inputs = self.staging.fixed_inputs(DraftInputs.size(b, len(self.graphs.policy.rhos)))
+            limit = DraftInputs.limit(inputs, b)
+            limit.copy_((limit - n_commit).clamp(min=0))  # in place, on the device
+            out = self.graphs.get("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs,
+                                              self.draft_span(reach + Q))  # anchors moved <= Q on
+            host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
+            drafting.stop()
+        host = host.cpu()  # the step's one copy to the host
+        if ahead:
+            batch.ahead = Ahead(batch.version, b, Draft.from_graph(out, host[-2:]))
+            host = host[:-2].long().view(b, -1)
+        return host[:, :-2], host[:, -2], host[:, -1], drafting.seconds
+
+    # ---- admission -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[int], requests: list[Request], batch: Batch | None = None,
+                write: bool = True) -> torch.Tensor:
+        """Run the prompts of `requests` into cache `rows` (eager, one padded batch), with the drafter's
+        context for them (write=False: only their taps held, for a later catch-up); returns the first
+        generated token of each [n]. Its host inputs go over in one copy. With a batch: the requests take
+        the rows there, each first token as its anchor."""
+        lengths = [len(r.prompt) for r in requests]
+        layout, last = prefill_layout(rows, lengths)
+        parts = [self.staging.put(part) for part in (
+            layout.row, layout.pos, layout.slot, last, [t for r in requests for t in r.prompt], rows, lengths,
+            [r.index for r in requests])]
+        self.staging.send()
+        row, pos, slot, last, tokens, idx, lengths, ids = (p.device.long() for p in parts)
+        layout = dataclasses.replace(layout, row=row, pos=pos, slot=slot)
+        logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.graphs.taps)
+        if self.drafter is not None:
+            self.drafter.add_context(taps, layout.row, layout.pos, write=write)
+        first = sample(logits, self.temperature, self.top_p, sample_keys(self.seed, ids, lengths))
+        if batch is not None:
+            batch.anchor[idx], batch.anchor_pos[idx], batch.request_ids[idx] = first, lengths, ids
+            batch.place(rows, requests, written=write)
+        return first
