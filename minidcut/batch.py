@@ -68,6 +68,8 @@ class Batch:
     written: list[int]  # per row: positions below this have the drafter's context K/V written
     version: int = 0  # bumped whenever a row changes hands (placed, freed, moved)
     ahead: Ahead | None = None  # the next step's draft, made by this step
+    prompt_context: float = 0.0  # seconds prefills spent on the drafter's context of prompts, not yet
+    #                              charged to a drafting step (Engine.record)
 
     @classmethod
     def empty(cls, rows: int, device) -> "Batch":

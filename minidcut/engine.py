@@ -120,7 +120,8 @@ class Engine:
         clock.mark("commit")
         rows = batch.live
         self.commit(batch, commit, n_commit, draft, stats, on_finish)  # tokens to requests; finished leave
-        rec = self.record(rows, b, plan, draft, K, n_commit, sent, clock.step_seconds(fresh and plan.ahead), clock.redraft)
+        rec = self.record(rows, b, plan, draft, K, n_commit, sent, clock.step_seconds(fresh and plan.ahead), clock.redraft,
+                          batch)
         stats.add(rec, int(kept[rows].sum()), self.D, self.policy.calibration.gain_scale)
         if stats.trace is not None and draft is not None:  # for evaluation: scores, kept and accepted drafts
             stats.trace.append((draft.log_s[rows].exp().cpu(), kept[rows], n_commit[rows] - 1))
@@ -139,6 +140,7 @@ class Engine:
             # Where drafting is off the drafter's context of the prompts waits, like skipped steps'.
             write = not self.policy.drafting_off(self.bucket_for(max(batch.live + free) + 1))
             first = self.runner.prefill(free, new, batch, write).tolist()
+            batch.prompt_context += self.runner.prompt_context.seconds if write else 0.0
             for row, tok in zip(free, first):
                 self.emit(batch, row, [tok], stats, on_finish)
             stats.seconds["prefill"] += time.perf_counter() - t0
@@ -167,13 +169,15 @@ class Engine:
         return self.policy.plan(b, batch.n_behind, len(batch.live), usable)
 
     def record(self, rows: list[int], b: int, plan: StepPlan, draft: Draft | None, K: int, n_commit, sent,
-               seconds: float, redraft: float) -> StepRecord:
-        """The step as it ran over the live rows `rows`, for the policy and the stats."""
+               seconds: float, redraft: float, batch: Batch) -> StepRecord:
+        """The step as it ran over the live rows `rows`, for the policy and the stats. A drafting step
+        takes the seconds prefills spent on the drafter's context of prompts since the last one."""
+        prompt_context, batch.prompt_context = (batch.prompt_context, 0.0) if plan.draft else (0.0, batch.prompt_context)
         return StepRecord(bucket=b, n_live=len(rows), drafted=plan.draft,
                           rho=self.policy.rhos[draft.rho_index] if K else 0.0,
                           predicted=draft.predicted if plan.draft else 0.0,
                           accepted=int(n_commit[rows].sum()) - len(rows), seconds=seconds, catchup=sent.catchup_seconds,
-                          caught_up=sent.caught_up, redraft=redraft, usable=plan.usable)
+                          caught_up=sent.caught_up, redraft=redraft, usable=plan.usable, prompt_context=prompt_context)
 
     def commit(self, batch: Batch, commit, n_commit, draft: Draft | None, stats: Stats, on_finish) -> None:
         """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus)."""

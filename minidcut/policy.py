@@ -53,6 +53,8 @@ class StepRecord:
     catchup: float = 0.0  # seconds spent before it writing the drafter's context of skipped steps
     caught_up: int = 0  # positions that catch-up wrote
     redraft: float = 0.0  # seconds of a draft made afresh on top of the step's own (its rows changed)
+    prompt_context: float = 0.0  # seconds prefills spent on the drafter's context of prompts since the last
+    #                              drafting step (drafting's cost: an AR run writes no drafter context)
     usable: int | None = None  # drafts the live rows could still emit (Batch.usable; None: not known)
     timed: bool = False  # a profiler's timed step (profiler.measure_row): rows that do not advance, so its
     #                      repeats are one state, not independent samples: calibration learns from it, the

@@ -63,6 +63,7 @@ class Runner:
             drafter.setup_cache(batch_size, max_seq)
         self.n_draft_inputs = DraftInputs.size(batch_size, len(policy.rhos))
         self.staging = Staging(self.n_draft_inputs, self.device)  # the draft inputs at a fixed place
+        self.prompt_context = Interval(self.device)  # the drafter's work in the last prefill
 
     # ---- attention spans -------------------------------------------------------------------------
 
@@ -186,7 +187,8 @@ class Runner:
         """Run the prompts of `requests` into cache `rows` (eager, one padded batch), with the drafter's
         context for them (write=False: only their taps held, for a later catch-up); returns the first
         generated token of each [n]. Its host inputs go over in one copy. With a batch: the requests take
-        the rows there, each first token as its anchor."""
+        the rows there, each first token as its anchor. `prompt_context` times the drafter's part (its
+        seconds are read after the first tokens reach the host)."""
         lengths = [len(r.prompt) for r in requests]
         layout, last = prefill_layout(rows, lengths)
         parts = [self.staging.put(part) for part in (
@@ -196,8 +198,11 @@ class Runner:
         row, pos, slot, last, tokens, idx, lengths, ids = (p.device.long() for p in parts)
         layout = dataclasses.replace(layout, row=row, pos=pos, slot=slot)
         logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.graphs.taps)
+        self.prompt_context = Interval(self.device)  # read once the first tokens reached the host
         if self.drafter is not None:
+            self.prompt_context.start()
             self.drafter.add_context(taps, layout.row, layout.pos, write=write)
+            self.prompt_context.stop()
         first = sample(logits, self.temperature, self.top_p, sample_keys(self.seed, ids, lengths))
         if batch is not None:
             batch.anchor[idx], batch.anchor_pos[idx], batch.request_ids[idx] = first, lengths, ids

@@ -46,7 +46,7 @@ import statistics
 
 from .dcut import budget
 
-CONFIDENCE = 0.95  # drafting goes off when its mean gain over AR is below zero at this one-sided confidence
+CONFIDENCE = 0.90  # drafting goes off when its mean gain over AR is below zero at this one-sided confidence
 RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (~50 steps, probes included)
 PROBE_SHARE = 0.02  # probing spends at most this share of what drafting could save at best (room - 1)
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
@@ -56,8 +56,8 @@ STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position
 
 def t_quantile(p: float, df: float) -> float:
     """Student's t quantile at probability p with df degrees of freedom: the Cornish-Fisher expansion
-    around the normal quantile z to 1 / df^3 (at p = 0.95: within 0.3 % of the exact value for df >= 3,
-    1.2 % at df = 2, 12 % low at df = 1)."""
+    around the normal quantile z to 1 / df^3 (at p = 0.9: within 0.1 % of the exact value for df >= 3,
+    0.3 % at df = 2, 4 % low at df = 1)."""
     z = statistics.NormalDist().inv_cdf(p)
     return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
@@ -187,11 +187,12 @@ class SkipDrafting:
     def gain_over_ar(self, rec) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
         1 + accepted / n_live - its seconds / an AR step's, its seconds being the table's for its rho
-        plus a draft it made afresh when its rows changed (drafting pays for that too). What the step
-        realized, not what it was predicted to: the rule picks the rho whose prediction is highest, so
-        the picked prediction runs high, most where drafting is near break-even (docs/method.md,
-        "Skipping drafting")."""
-        seconds = self.seconds(True, rec.rho) + rec.redraft
+        plus what drafting alone paid for around it: a draft made afresh when its rows changed, the
+        catch-up of the drafter's context before it, and the drafter's context of prompts admitted
+        since the last drafting step. What the step realized, not what it was predicted to: the rule
+        picks the rho whose prediction is highest, so the picked prediction runs high, most where
+        drafting is near break-even (docs/method.md, "Skipping drafting")."""
+        seconds = self.seconds(True, rec.rho) + rec.redraft + rec.catchup + rec.prompt_context
         return 1.0 + rec.accepted / max(rec.n_live, 1) - seconds / self.seconds(False)
 
     def draft_now(self, behind: int = 0, n_live: int | None = None, usable: int | None = None) -> bool:

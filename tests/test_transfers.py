@@ -242,3 +242,19 @@ def test_the_draft_made_ahead_counts_as_drafting_in_the_stats(tmp_path, monkeypa
     _, stats = engine.generate([[3, 5, 7], [4, 6, 8, 10]], 24)
     drafts = sum(stats.drafting_hist.values())  # every drafting step ran one draft (ahead or fresh)
     assert stats.seconds["draft"] >= 0.05 * drafts > stats.seconds["verify"]
+
+
+def test_the_drafters_prompt_context_is_charged_to_the_next_drafting_step(tmp_path, monkeypatch):
+    """A prefill where drafting is on writes the drafter's context of the prompts: work an AR run never
+    does. Its seconds go to the next drafting step's record (StepRecord.prompt_context), once. On a
+    clock that moves only while the drafter writes context (1 s a call)."""
+    target, drafter = tiny_pair(tmp_path)
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    real = drafter.add_context
+    monkeypatch.setattr(drafter, "add_context", lambda *a, **k: (now.__setitem__(0, now[0] + 1.0), real(*a, **k))[1])
+    engine = Engine(target, drafter, Policy.static(0.5), batch_size=2, max_seq=96, eos_ids=[], compile=False)
+    records = []
+    engine.generate([[3, 5, 7], [4, 6, 8, 10], [5, 7, 9]], 12, on_step=lambda stats, rec: records.append(rec))
+    charged = [r.prompt_context for r in records]
+    assert charged[0] == 1.0 and charged.count(1.0) == 2 and sum(charged) == 2.0  # two prefills, two charges
