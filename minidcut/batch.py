@@ -17,13 +17,15 @@ class Request:
     output: list[int] = field(default_factory=list)
 
     @classmethod
-    def checked(cls, prompts: list[list[int]], max_new_tokens: int, vocab: int, block: int,
+    def checked(cls, prompts: list[list[int]], max_new_tokens: int | list[int], vocab: int, block: int,
                 max_seq: int) -> list["Request"]:
-        """The requests of a generate() call, or ValueError (one line) for one an engine cannot serve:
-        an empty prompt, a token outside [0, vocab), or prompt + new tokens + a draft block > max_seq."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        for i, p in enumerate(prompts):
+        """The requests of a generate() call (max_new_tokens: one for all, or one per prompt), or
+        ValueError (one line) for one an engine cannot serve: an empty prompt, a token outside
+        [0, vocab), or prompt + new tokens + a draft block > max_seq."""
+        lengths = per_prompt(max_new_tokens, len(prompts))
+        for i, (p, max_new_tokens) in enumerate(zip(prompts, lengths)):
+            if max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
             bad = next(((j, t) for j, t in enumerate(p) if not 0 <= t < vocab), None)
@@ -33,7 +35,7 @@ class Request:
             if len(p) + max_new_tokens + block > max_seq:
                 raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {max_new_tokens} new tokens + "
                                  f"{block} for a draft block exceed the engine's {max_seq} positions")
-        return [cls(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
+        return [cls(i, list(p), n) for i, (p, n) in enumerate(zip(prompts, lengths))]
 
     @property
     def anchor_pos(self) -> int:
@@ -140,6 +142,15 @@ class Batch:
         for i, j in zip(src, dst):
             self.requests[j], self.requests[i], self.written[j] = self.requests[i], None, self.written[i]
         self.version += 1
+
+
+def per_prompt(max_new_tokens: int | list[int], n: int) -> list[int]:
+    """max_new_tokens for each of n prompts: one value for all, or a list of n (ValueError otherwise)."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * n
+    if len(max_new_tokens) != n:
+        raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {n} prompts")
+    return [int(x) for x in max_new_tokens]
 
 
 def batch_buckets(max_batch: int) -> list[int]:

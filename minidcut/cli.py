@@ -14,10 +14,11 @@ from pathlib import Path
 from rich.console import Console
 
 from . import runtime
+from .batch import per_prompt
 from .config import ConfigError, load_drafter_config, load_model_config
-from .cost_model import SEQ_CLASS, CostTableError
-from .runner import SPAN_STEP
+from .cost_model import CostTableError, size_class
 from .loader import CheckpointError
+from .runner import SPAN_STEP
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = MODELS / "llama-stdlib-4m"
@@ -117,25 +118,25 @@ def model_limits(target_dir, drafter_dir=None) -> tuple[int, int, int]:
     return cfg.vocab_size, cfg.max_position_embeddings, block
 
 
-def max_seq(prompts: list[list[int]], max_new_tokens: int, block: int, positions: int | None = None,
+def max_seq(prompts: list[list[int]], max_new_tokens: int | list[int], block: int, positions: int | None = None,
             compile: bool = True) -> int:
     """Cache positions of a run: the longest prompt, its new tokens and one draft block, rounded up
-    (within the target's `positions`). Compiled: to a multiple of SEQ_CLASS (64), so that runs of
-    similar lengths share graphs (a compiled step reads every position). Eager: to one of SPAN_STEP
-    (16) only; an eager step reads its span, yet attention over the same span of a longer cache takes
-    longer (7% with 256 positions against 192 on a CPU, docs/bench/README.md). Runs of similar lengths
-    share a cost table either way (cost_model.seq_class)."""
-    need = max(map(len, prompts)) + max_new_tokens + block + 1
-    step = SEQ_CLASS if compile else SPAN_STEP
-    rounded = -(-need // step) * step
+    (within the target's `positions`). Compiled: to a size class (cost_model.size_class: 256, 512, 1024,
+    ...), so that runs of other prompt files and token counts share graphs and cost tables (a compiled
+    step reads every position, so a table is keyed by them) and tools/profile.py --max-seq N serves every
+    run of that class. Eager: to a multiple of SPAN_STEP (16) only; an eager step reads its span, yet
+    attention over the same span of a longer cache takes longer (7% with 256 positions against 192 on a
+    CPU, docs/bench/README.md); eager runs of similar lengths share a table (cost_model.seq_class)."""
+    need = max(len(p) + n for p, n in zip(prompts, per_prompt(max_new_tokens, len(prompts)))) + block + 1
+    rounded = size_class(need) if compile else -(-need // SPAN_STEP) * SPAN_STEP
     return rounded if positions is None or rounded <= positions else need
 
 
-def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab: int, positions: int, block: int,
+def check_prompts(prompts: list[list[int]], max_new_tokens: int | list[int], vocab: int, positions: int, block: int,
                   names: list[str]) -> None:
     """Token ids inside the vocabulary, and every prompt + its new tokens + a draft block inside the
     target's context; names[i] says where prompt i came from."""
-    for ids, name in zip(prompts, names):
+    for ids, name, max_new_tokens in zip(prompts, names, per_prompt(max_new_tokens, len(prompts))):
         if not ids:
             raise UserError(f"{name}: the prompt is empty")
         bad = next((t for t in ids if not 0 <= t < vocab), None)

@@ -33,7 +33,8 @@ TABLE_DIR = Path(__file__).resolve().parent.parent / "compile_cache" / "cost_tab
 METHOD = 6
 MEMORY = 20  # a refined entry is the mean of its last ~20 steps' seconds
 CLAMP = 3.0  # one step counts at most this many times (or 1 / this) the entry's seconds
-SEQ_CLASS = 64  # a table serves every run whose cache positions round up to the same multiple of this
+SEQ_CLASS = 64  # an eager table serves every run whose cache positions round up to the same multiple of this
+MIN_SIZE_CLASS = 256  # compiled caches: the smallest size class (cli.max_seq, size_class)
 
 
 class CostTableError(ValueError):
@@ -147,11 +148,18 @@ def fingerprint(device, target_dir, drafter_dir, dtype: torch.dtype, compiled: b
             "target_config": shape_hash(target_dir), "drafter_config": shape_hash(drafter_dir)}
 
 
+def size_class(positions: int) -> int:
+    """Cache positions of a compiled run that needs `positions`: the next power of two, at least
+    MIN_SIZE_CLASS. Its graphs and cost table are shared by every run of the class, whatever its prompts
+    and token counts (at most 2x the attention positions it needs)."""
+    return max(MIN_SIZE_CLASS, 1 << (int(positions) - 1).bit_length())
+
+
 def seq_class(max_seq: int) -> int:
     """The cache positions an eager run's table is keyed by: max_seq rounded up to a multiple of
     SEQ_CLASS, so that runs of similar lengths share a table (an eager run sizes its cache closer to
     what it needs, cli.max_seq; a compiled run's graphs read every position, so its table is keyed by
-    the positions themselves, which cli.max_seq rounds to SEQ_CLASS within the target's)."""
+    the positions themselves, which cli.max_seq rounds to a size class within the target's)."""
     return -(-int(max_seq) // SEQ_CLASS) * SEQ_CLASS
 
 

@@ -64,10 +64,10 @@ class Engine:
     # ---- the decode loop -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, on_finish=None, on_step=None,
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], on_finish=None, on_step=None,
                  trace: bool = False):
-        """Generate for every prompt with at most batch_size at a time; returns (outputs in input order,
-        Stats). on_finish(index, output) as each request finishes; on_step(stats, record) after each
+        """Generate for every prompt (max_new_tokens: one for all, or one per prompt) with at most
+        batch_size at a time; returns (outputs in input order, Stats). on_finish(index, output) as each request finishes; on_step(stats, record) after each
         step; trace: keep per drafting step the live rows' prefix scores, keep_len and accepted drafts
         in stats.trace (an extra host copy per step: for evaluation, not for speed)."""
         requests, stats, steps = self.start(prompts, max_new_tokens, on_finish, trace)
@@ -76,7 +76,7 @@ class Engine:
                 on_step(stats, rec)
         return [r.output for r in requests], stats
 
-    def start(self, prompts: list[list[int]], max_new_tokens: int, on_finish=None, trace: bool = False):
+    def start(self, prompts: list[list[int]], max_new_tokens: int | list[int], on_finish=None, trace: bool = False):
         """generate() one step per next(), for a caller that interleaves engines step by step (bench
         --lockstep): (requests, Stats, steps), steps yielding each step's StepRecord; every request's
         output is complete once it is exhausted. Bad prompts raise here, before any step."""

@@ -1,8 +1,9 @@
 """What a dcut run did and why, in numbers: the summary python -m minidcut.generate prints under its table.
 
-For the bucket the run spent most steps at: how often each rho was chosen, what the cost table says a
-drafting step costs there in AR steps (the tokens per request it must commit to pay), what the drafting
-steps were predicted to accept against what they did, and whether drafting is now on or off there.
+Per bucket the run stepped at, as the batch drained: its steps, how many drafted and which rho each
+chose. For the bucket the run spent most steps at: what the cost table says a drafting step costs there
+in AR steps (the tokens per request it must commit to pay), what the drafting steps were predicted to
+accept against what they did, and whether drafting is now on or off there, with the evidence.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 
 from .dcut import budget
+from .skipping import CONFIDENCE
 from .stats import Stats
 
 
@@ -20,6 +22,11 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
     b = max(stats.bucket_hist, key=stats.bucket_hist.get)
     lines = ["rho per step: " + ", ".join(f"{rho:g} on {n} of {stats.steps}" for rho, n in sorted(stats.rho_hist.items()))
              + f" (rho 0: an AR step; the run spent {stats.bucket_hist[b]} steps at bucket {b})"]
+    for bucket in sorted(stats.bucket_hist, reverse=True):
+        n = stats.bucket_hist[bucket]
+        drafted = {rho: k for (bb, rho), k in stats.rho_by_bucket.items() if bb == bucket and rho is not None}
+        chose = ", ".join(f"rho {rho:g} on {k}" for rho, k in sorted(drafted.items()))
+        lines.append(f"bucket {bucket}: {n} steps, {sum(drafted.values())} drafting" + (f" ({chose})" if chose else ""))
     costs = policy.costs(b)
     if costs is None:
         return lines
@@ -46,12 +53,18 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
                          "commits more per second than an AR step")
         elif skip.state == "off":
             cheapest = min(c for r, c in skip.cost.items() if r > 0) / skip.cost[0.0]
-            lines.append(f"drafting is off at bucket {b}: its drafting steps (the cost row's timed ones included) "
+            ev = skip.evidence
+            lines.append(f"drafting is off at bucket {b}: its drafting steps "
                          f"committed {1 + skip.usual_accepted:.2f} tokens per request per step, where the cheapest "
-                         f"costs {cheapest:.1f} AR steps; a probe checks again every {skip.probe_period()} steps or "
-                         "more (the more drafter context it must catch up, the later)")
+                         f"costs {cheapest:.1f} AR steps (gain over AR steps {ev.mean:+.2f} tokens per request per "
+                         f"step over ~{ev.n:.0f} steps, {CONFIDENCE:.0%} sure it is below zero); a probe checks "
+                         f"again every {skip.probe_period()} steps or more (the more drafter context it must catch "
+                         "up, the later)")
         else:
-            lines.append(f"drafting is on at bucket {b}")
+            ev = skip.evidence
+            lines.append(f"drafting is on at bucket {b}" + (
+                f": gain over AR steps {ev.mean:+.2f} tokens per request per step over ~{ev.n:.0f} steps, not "
+                f"{CONFIDENCE:.0%} sure it is below zero" if ev.n >= 1.5 else ""))
     for bucket, left in sorted(stats.unmeasured.items()):
         lines.append(f"bucket {bucket} ran AR steps without a cost row: its rows had at most {left} steps left, "
                      "fewer AR steps' time than measuring its row takes")

@@ -1,7 +1,11 @@
 """python -m minidcut.generate: batched generation with a target, a DFlash drafter and a policy.
 
-With no arguments it runs the shipped demo pair (models/) on a few built-in code prompts with the
-adaptive `dcut` policy. Results are written as requests finish; Ctrl-C keeps every finished request.
+With no arguments it runs the shipped demo pair (models/) on four built-in code prompts with the
+adaptive `dcut` policy, then the same prompts with AR decoding for the speedup. The prompts ask for
+48, 96, 160 and 256 new tokens (BUILTIN_LENGTHS), so the batch drains as they finish: four requests
+at bucket 4, then three, two at bucket 2 and the last alone at bucket 1, and D-cut decides at each
+bucket (whether drafting pays there, and rho per step). Results are written as requests finish;
+Ctrl-C keeps every finished request.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ BUILTIN_PROMPTS = [
     "import os\n\n\ndef list_python_files(root):\n",
     "def read_lines(path, encoding='utf-8'):\n",
 ]
+BUILTIN_LENGTHS = [48, 96, 160, 256]  # new tokens of each built-in prompt: the batch drains 4 -> 2 -> 1
+DEFAULT_MAX_NEW_TOKENS = 64
 
 
 def parse_args(argv=None):
@@ -61,7 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", default=None,
                    help='JSONL file: {"prompt": "..."}, {"input_ids": [...]} or {"messages": [...]} per line')
     cli.add_chat_arg(p)
-    p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"per request (default: {DEFAULT_MAX_NEW_TOKENS}; the built-in prompts ask for "
+                        f"{', '.join(map(str, BUILTIN_LENGTHS))})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
@@ -73,10 +81,11 @@ def parse_args(argv=None):
                    help="JSONL, one line per request with its index, written as requests finish and "
                         "sorted into input order at the end")
     p.add_argument("--stats", default=None, help="write the run's statistics as JSON")
-    p.add_argument("--compare-ar", action="store_true",
+    p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="after the run, generate the same prompts with plain AR decoding in this process, print "
                         "the speedup and whether the tokens are the same (where they first differ if not: in "
-                        "float32 they must not; in bfloat16 near-ties may flip)")
+                        "float32 they must not; in bfloat16 near-ties may flip). Default: on for the built-in "
+                        "prompts, off otherwise")
     p.add_argument("--quiet", action="store_true", help="no status, no live view, no summary, no completions")
     return p.parse_args(argv)
 
@@ -154,6 +163,11 @@ def run(args, console: Console) -> int:
     tokenizer = load_tokenizer(args.target)
     prompts, names = cli.read_prompts(args.prompts, args.prompt, tokenizer, cli.parse_chat(args.chat), args.target,
                                       default=BUILTIN_PROMPTS)
+    builtin = not args.prompts and not args.prompt
+    if args.max_new_tokens is None:
+        args.max_new_tokens = BUILTIN_LENGTHS if builtin else DEFAULT_MAX_NEW_TOKENS
+    if args.compare_ar is None:
+        args.compare_ar = builtin
     cli.check_prompts(prompts, args.max_new_tokens, vocab, positions, block, names)
     runtime.setup(args.threads)
     max_seq = cli.max_seq(prompts, args.max_new_tokens, block, positions, args.compile)

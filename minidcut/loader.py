@@ -1,5 +1,7 @@
 """safetensors -> modules. The model is built on the meta device and the checkpoint tensors are
-assigned into it, so a checkpoint is never held twice in memory.
+assigned into it, so a checkpoint is never held twice in memory. Tensors are streamed: each goes to
+its device and dtype as it is read, so host memory holds about one tensor at a time, not the
+checkpoint (a 30B MoE's ~60 GB never sit in host memory on their way to a GPU).
 
 Handles a single `model.safetensors` or shards listed in `model.safetensors.index.json`, tied
 embeddings, and both MoE expert layouts (per-expert `experts.E.{gate,up,down}_proj.weight`, or fused
@@ -34,8 +36,9 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def read_safetensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of a model directory (single file or sharded), by key."""
+def read_safetensors(path: Path, device="cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a model directory (single file or sharded), by key, each moved to `device` (and
+    floating ones cast to `dtype`) as soon as it is read."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(read_json(index)["weight_map"].values()))
@@ -46,9 +49,11 @@ def read_safetensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]
     tensors = {}
     for name in files:
         try:
-            with safe_open(str(path / name), framework="pt", device=device) as f:
+            with safe_open(str(path / name), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+                    t = f.get_tensor(key)
+                    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                    tensors[key] = t.to(device=device, dtype=cast)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {path / name}: {e}") from None
     return tensors
@@ -58,23 +63,22 @@ _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_pr
 
 
 def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert keys -> fused [E, 2I, H] gate_up_proj and [E, H, I] down_proj (gate rows first)."""
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    out = {}
-    for key, t in tensors.items():
+    """Per-expert keys -> fused [E, 2I, H] gate_up_proj and [E, H, I] down_proj (gate rows first), in
+    place: a layer's per-expert tensors are dropped once fused, so the copy costs one layer's experts."""
+    groups: dict[str, dict[str, dict[int, str]]] = {}
+    for key in tensors:
         m = _PER_EXPERT.match(key)
         if m:
-            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
-        else:
-            out[key] = t
+            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = key
     for prefix, parts in groups.items():
         n = len(parts.get("down_proj", {}))
         if any(sorted(parts.get(p, {})) != list(range(n)) for p in ("gate_proj", "up_proj", "down_proj")):
             raise CheckpointError(f"{prefix}: per-expert tensors are incomplete")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([parts["gate_proj"][e], parts["up_proj"][e]]) for e in range(n)])
-        out[f"{prefix}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
-    return out
+        take = lambda part, e: tensors.pop(parts[part][e])  # noqa: E731
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([take("gate_proj", e), take("up_proj", e)]) for e in range(n)])
+        tensors[f"{prefix}.down_proj"] = torch.stack([take("down_proj", e) for e in range(n)])
+    return tensors
 
 
 def _orient_experts(tensors, key: str, expected) -> torch.Tensor:
@@ -123,7 +127,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device="cp
     cfg = load_model_config(p)
     with torch.device("meta"):
         model = Transformer(cfg)
-    load_into(model, fuse_experts(read_safetensors(p)), dtype, device, str(p),
+    load_into(model, fuse_experts(read_safetensors(p, device, dtype)), dtype, device, str(p),
               tied=("lm_head.weight", "model.embed_tokens.weight") if cfg.tie_word_embeddings else None)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -140,7 +144,7 @@ def load_drafter(path: str | Path, target: Transformer, dtype: torch.dtype = tor
     check_pair(cfg, target.cfg, str(p))
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
-    tensors = read_safetensors(p)
+    tensors = read_safetensors(p, device, dtype)
     vocab = tensors.pop("draft_vocab", None)
     load_into(drafter, tensors, dtype, device, str(p))
     if vocab is not None:

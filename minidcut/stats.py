@@ -90,6 +90,7 @@ class Stats:
     drafting_request_steps: int = 0  # live requests summed over drafting steps
     rho_hist: collections.Counter = field(default_factory=collections.Counter)
     bucket_hist: collections.Counter = field(default_factory=collections.Counter)  # steps per batch bucket
+    rho_by_bucket: collections.Counter = field(default_factory=collections.Counter)  # steps per (bucket, rho)
     drafting_hist: collections.Counter = field(default_factory=collections.Counter)  # per batch bucket
     seconds: collections.Counter = field(default_factory=collections.Counter)  # prefill/draft/verify/...
     unmeasured: dict = field(default_factory=dict)  # bucket -> steps its rows had left: its row not worth measuring
@@ -103,6 +104,7 @@ class Stats:
         self.committed += rec.accepted + rec.n_live
         self.rho_hist[rec.rho] += 1
         self.bucket_hist[rec.bucket] += 1
+        self.rho_by_bucket[rec.bucket, rec.rho if rec.drafted else None] += 1
         if rec.drafted:
             self.drafting_hist[rec.bucket] += 1
             self.drafted += rec.n_live * depth

@@ -89,14 +89,17 @@ def read_jsonl(path: Path) -> list[dict]:
 TEXTS = ["def add(a, b):\n", "class Stack:\n", "import os\n"]
 
 
-def test_an_eager_cache_is_sized_to_16_positions_and_a_compiled_one_to_64():
+def test_an_eager_cache_is_sized_to_16_positions_and_a_compiled_one_to_its_size_class():
     """Prompt 40 + 128 new tokens + a block of 16 + 1 = 185 positions: 192 eager (attention over a span
-    of a longer cache costs more), 192 compiled too; 201 of them: 208 eager, 256 compiled; and never
-    past the target's positions."""
+    of a longer cache costs more), 256 compiled (a size class: runs of other lengths share its graphs
+    and table); 201 of them: 208 eager, 256 compiled; 300: 304 and 512; never past the target's
+    positions. Per-prompt lengths count each prompt's own."""
     prompts = [[1] * 40, [2] * 7]
-    assert max_seq(prompts, 128, 16, compile=False) == 192 and max_seq(prompts, 128, 16) == 192
+    assert max_seq(prompts, 128, 16, compile=False) == 192 and max_seq(prompts, 128, 16) == 256
     assert max_seq(prompts, 144, 16, compile=False) == 208 and max_seq(prompts, 144, 16) == 256
+    assert max_seq(prompts, 243, 16, compile=False) == 304 and max_seq(prompts, 243, 16) == 512
     assert max_seq(prompts, 144, 16, positions=250) == 201 == max_seq(prompts, 144, 16, 201, False)
+    assert max_seq(prompts, [128, 200], 16, compile=False) == 224  # the second: 7 + 200 + 17
 
 
 def test_output_jsonl_has_index_ids_and_text_in_input_order(models, capsys, tmp_path):

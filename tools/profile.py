@@ -2,9 +2,10 @@
 accept; rho = 0 is an AR step without drafting) for every (batch size, rho), on this machine, for one
 (target, drafter, dtype, threads, compiled or eager, cache positions). Drafting steps' medians are made
 nondecreasing in rho (a dip is noise; the raw medians stay in the metadata). Written under
-compile_cache/cost_tables/, where a greedy dcut run with the same settings finds it (its fingerprint;
-a table serves every run whose cache positions, its longest prompt + new tokens + a block, round up
-to the same multiple of 64: --max-seq 256 serves runs that need 193 to 256).
+compile_cache/cost_tables/, where a greedy dcut run with the same settings finds it (its fingerprint).
+Cache positions: a compiled table serves every run of its size class (cost_model.size_class: 256, 512,
+1024, ...; generate and bench size a compiled run's cache to the class of its longest prompt + new
+tokens + a block), an eager one every run whose positions round up to the same multiple of 64.
 Runs need no such table: they measure the rows they reach (profiler.measure_live); this one measures
 every row and rho, with more repeats.
 
@@ -28,7 +29,7 @@ from rich.table import Table  # noqa: E402
 
 from minidcut import cli, runtime  # noqa: E402
 from minidcut.api import load_pair, parse_rhos, run_fingerprint  # noqa: E402
-from minidcut.cost_model import CostTable, table_path  # noqa: E402
+from minidcut.cost_model import CostTable, seq_class, size_class, table_path  # noqa: E402
 from minidcut.engine import Engine  # noqa: E402
 from minidcut.policy import Policy  # noqa: E402
 from minidcut.profiler import measure  # noqa: E402
@@ -41,8 +42,10 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64",
                    help="comma-separated batch sizes to profile (default: %(default)s)")
     p.add_argument("--rhos", default="0,0.25,0.5,0.75,1", help="rho grid, 0 an AR step (default: %(default)s)")
-    p.add_argument("--max-seq", type=int, default=256,
-                   help="cache positions of the runs the table is for (default: %(default)s)")
+    p.add_argument("--max-seq", type=int, default=None,
+                   help="cache positions of the runs the table is for, rounded up to their class (compiled: "
+                        "256, 512, 1024, ...; eager: a multiple of 64); default: the class that holds "
+                        "--context-len and a draft block")
     p.add_argument("--context-len", type=int, default=128,
                    help="context tokens per request while timing, below --max-seq (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per cell, median kept (default: %(default)s)")
@@ -65,6 +68,17 @@ def print_table(console: Console, table) -> None:
     console.print(t)
 
 
+def cache_positions(context_len: int, max_seq: int | None, compile: bool) -> int:
+    """The table's cache positions: --max-seq (default: the context, a draft block and the bonus)
+    rounded up to its class (compiled: cost_model.size_class; eager: a multiple of 64); UserError if
+    the context leaves no room for a draft block."""
+    need = context_len + 33
+    positions = size_class(max_seq or need) if compile else seq_class(max_seq or need)
+    if need > positions:
+        raise cli.UserError(f"--context-len {context_len} leaves no room for a draft block in --max-seq {positions}")
+    return positions
+
+
 def run(args, console: Console) -> int:
     batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
     cli.check_positive(args, "context_len", "repeats", "max_seq")
@@ -72,8 +86,7 @@ def run(args, console: Console) -> int:
     if args.warmup < 0:
         raise cli.UserError(f"--warmup must be >= 0, got {args.warmup}")
     rhos = parse_rhos(args.rhos)
-    if args.context_len + 32 > args.max_seq:
-        raise cli.UserError(f"--context-len {args.context_len} leaves no room for a draft block in --max-seq {args.max_seq}")
+    args.max_seq = cache_positions(args.context_len, args.max_seq, args.compile)
     cli.check_writable(args.out, "--out")
     runtime.setup(args.threads)
     target, drafter, device, dtype = load_pair(args.target, args.drafter, args.dtype, args.device, args.drafter_dtype,
