@@ -249,7 +249,9 @@ class Engine:
         keys = self.reachable(max_batch, min_batch)
         drafts = {}
         for i, (kind, b, K, write) in enumerate(keys, 1):
-            fn = self.runner.graphs.get(kind, b, K, write, note=f" ({i} of {len(keys)})")
+            done = time.perf_counter() - t0  # what the graphs so far took: the rest, roughly, at that pace
+            eta = f", ~{done / (i - 1) * (len(keys) - i + 1) / 60:.0f} min left" if i > 1 else ""
+            fn = self.runner.graphs.get(kind, b, K, write, note=f" ({i} of {len(keys)}{eta})")
             for _ in range(calls):
                 z = [torch.zeros(b, dtype=torch.long, device=self.device) for _ in range(3)]  # fresh: never aliased
                 if kind == "draft":

@@ -48,7 +48,7 @@ from .dcut import budget
 
 CONFIDENCE = 0.90  # drafting goes off when its mean gain over AR is below zero at this one-sided confidence
 RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (~50 steps, probes included)
-PROBE_SHARE = 0.02  # probing spends at most this share of what drafting could save at best (room - 1)
+PROBE_SHARE = 0.01  # probing spends at most this share of what drafting could save at best (room - 1)
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
 
 STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted")  # what is saved

@@ -366,11 +366,10 @@ def test_ctrl_c_keeps_finished_requests_and_says_so_in_one_line(models, tmp_path
     proc = subprocess.Popen([sys.executable, "-m", "minidcut.generate", *map(str, base(
         models, "--policy", "ar", "--prompts", prompts, "--batch-size", "1", "--max-new-tokens", "40",
         "--output", out))], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and (not out.is_file() or len(out.read_text().splitlines()) < 3):
-        time.sleep(0.2)
+    while proc.poll() is None and (not out.is_file() or len(out.read_text().splitlines()) < 3):
+        time.sleep(0.2)  # until three requests are on disk, however long the machine takes
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate()
     lines = read_jsonl(out)
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == [f"interrupted: {len(lines)} of 400 requests written to {out}"]

@@ -172,3 +172,45 @@ def test_profiling_then_decoding_in_one_process_never_recompiles_or_reallocates(
         outputs, stats = engine.generate(prompts, NEW_TOKENS)
     assert outputs == ar and stats.seconds["profile"] > 0 and policy.table.batch_sizes == sorted(stats.bucket_hist)
     assert cache_pointers(target, drafter) == pointers
+
+
+class AlternatingStatic(Policy):
+    """static 0.5, drafting on two steps of every three: the AR steps between leave the drafter's context
+    behind, and the next drafting step catches it up."""
+
+    def __init__(self):
+        super().__init__("static", [0.5])
+        self.n = 0
+
+    def plan(self, bucket, behind=0, n_live=None, usable=None):
+        import dataclasses
+        self.n += 1
+        return dataclasses.replace(super().plan(bucket, behind, n_live, usable), draft=self.n % 3 != 0)
+
+
+def check_a_compacting_run_is_lossless_at_every_bucket(target, drafter):
+    """B = 8, eight requests asking for 8 to 120 new tokens: the batch compacts 8 -> 4 -> 2 -> 1 as they
+    finish, with drafting skipped every third step (and caught up after), compiled; the tokens are AR's."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, BASE["vocab_size"], (L,), generator=g).tolist() for L in (5, 9, 3, 12, 7, 4, 10, 6)]
+    lengths = [8, 16, 24, 40, 56, 72, 96, 120]
+    ar, _ = Engine(target, None, Policy.ar(), batch_size=8, max_seq=MAX_SEQ, eos_ids=[],
+                   compile=False).generate(prompts, lengths)
+    engine = Engine(target, drafter, AlternatingStatic(), batch_size=8, max_seq=MAX_SEQ, eos_ids=[], compile=True)
+    moves, catch_ups = [], []
+    real_move, real_catch_up = engine.runner.move_rows, engine.runner.catch_up
+    engine.runner.move_rows = lambda *a: (moves.append(1), real_move(*a))[1]
+    engine.runner.catch_up = lambda *a: (catch_ups.append(1), real_catch_up(*a))[1]
+    outputs, stats = engine.generate(prompts, lengths)
+    assert outputs == ar
+    assert set(stats.bucket_hist) == {8, 4, 2, 1} and moves and catch_ups
+    assert {b for (b, rho) in stats.rho_by_bucket if rho is not None} == {8, 4, 2, 1}  # drafting at each
+
+
+def test_a_compiled_run_compacting_8_4_2_1_with_skipped_drafting_is_lossless(tiny_pair, fresh_dynamo, eager_backend):
+    check_a_compacting_run_is_lossless_at_every_bucket(*tiny_pair)
+
+
+@pytest.mark.slow
+def test_a_compiled_run_compacting_8_4_2_1_with_skipped_drafting_is_lossless_inductor(tiny_pair, fresh_dynamo):
+    check_a_compacting_run_is_lossless_at_every_bucket(*tiny_pair)
