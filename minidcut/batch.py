@@ -101,11 +101,13 @@ class Batch:
         follows, runner.Runner.span)."""
         return max(r.anchor_pos for r in self.requests if r is not None) + 1
 
-    def take_ahead(self, bucket: int):
+    def take_ahead(self, bucket: int, use: bool = True):
         """The draft the previous step made for this one, if no row changed hands since and the bucket
-        is the same (else None); it is used once."""
+        is the same (else None); it is used once, and dropped by a step that does not draft (use False:
+        None), since the positions it was drafted for move on."""
         ahead, self.ahead = self.ahead, None
-        return ahead.draft if ahead is not None and (ahead.version, ahead.bucket) == (self.version, bucket) else None
+        valid = use and ahead is not None and (ahead.version, ahead.bucket) == (self.version, bucket)
+        return ahead.draft if valid else None
 
     def limits(self, b: int) -> list[int]:
         """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""

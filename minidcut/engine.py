@@ -105,26 +105,20 @@ class Engine:
         b = self.bucket_for(batch.live[-1] + 1)
         moved = self.measure_missing_row(batch, b, moved, stats, clock)  # a first step at b without costs
         plan = self.plan(batch, b)  # draft or not; the costs and gain scale rho* is chosen with
-        draft = batch.take_ahead(b)  # drafted by the previous step, if still valid (dropped if unused)
-        draft = draft if plan.draft else None
+        draft = batch.take_ahead(b, use=plan.draft)  # drafted by the previous step, if still valid
         sent = self.runner.send(batch, b, plan if plan.draft else None, moved)  # the step's one copy in
-        clock.catchup = sent.catchup_seconds
-        clock.mark("draft")
+        clock.mark("draft", catchup=sent.catchup_seconds)
         fresh = plan.draft and draft is None
-        if fresh:  # draft + select + rho*, its pick copied to the host
-            draft = self.runner.run_draft(batch.anchor[:b], batch.anchor_pos[:b], sent.draft_inputs,
-                                          self.runner.draft_span(batch.reach))
+        if fresh:  # rows changed hands: draft + select + rho* now, its pick copied to the host
+            draft = self.runner.fresh_draft(batch, b, sent.draft_inputs)
         K = self.runner.graphs.budgets(b)[draft.rho_index] if draft is not None else 0
         clock.mark("verify")
         commit, n_commit, kept, clock.ahead = self.runner.verify(batch, b, draft, K, ahead=plan.draft and plan.ahead)
         clock.mark("commit")
         rows = batch.live
         self.commit(batch, commit, n_commit, draft, stats, on_finish)  # tokens to requests; finished leave
-        rec = self.record(rows, b, plan, draft, K, n_commit, sent, clock.step_seconds(fresh and plan.ahead), clock.redraft,
-                          batch)
-        stats.add(rec, int(kept[rows].sum()), self.D, self.policy.calibration.gain_scale)
-        if stats.trace is not None and draft is not None:  # for evaluation: scores, kept and accepted drafts
-            stats.trace.append((draft.log_s[rows].exp().cpu(), kept[rows], n_commit[rows] - 1))
+        rec = self.record(rows, b, plan, draft, K, n_commit, sent, clock, fresh and plan.ahead, batch)
+        stats.add(rec, kept[rows], self.D, self.policy.calibration.gain_scale, draft, n_commit[rows], rows)
         self.policy.observe(rec)  # calibration, the table's entry, skip drafting
         clock.charge(stats)
         return rec
@@ -169,15 +163,17 @@ class Engine:
         return self.policy.plan(b, batch.n_behind, len(batch.live), usable)
 
     def record(self, rows: list[int], b: int, plan: StepPlan, draft: Draft | None, K: int, n_commit, sent,
-               seconds: float, redraft: float, batch: Batch) -> StepRecord:
+               clock: StepClock, redrafted: bool, batch: Batch) -> StepRecord:
         """The step as it ran over the live rows `rows`, for the policy and the stats. A drafting step
         takes the seconds prefills spent on the drafter's context of prompts since the last one."""
         prompt_context, batch.prompt_context = (batch.prompt_context, 0.0) if plan.draft else (0.0, batch.prompt_context)
+        seconds = clock.step_seconds(redrafted)
         return StepRecord(bucket=b, n_live=len(rows), drafted=plan.draft,
                           rho=self.policy.rhos[draft.rho_index] if K else 0.0,
                           predicted=draft.predicted if plan.draft else 0.0,
                           accepted=int(n_commit[rows].sum()) - len(rows), seconds=seconds, catchup=sent.catchup_seconds,
-                          caught_up=sent.caught_up, redraft=redraft, usable=plan.usable, prompt_context=prompt_context)
+                          caught_up=sent.caught_up, redraft=clock.redraft, usable=plan.usable,
+                          prompt_context=prompt_context)
 
     def commit(self, batch: Batch, commit, n_commit, draft: Draft | None, stats: Stats, on_finish) -> None:
         """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus)."""

@@ -141,6 +141,11 @@ class Runner:
         self.staging.send()
         return self.run_draft(anchor, anchor_pos, staged.device, span)
 
+    def fresh_draft(self, batch: Batch, b: int, inputs: torch.Tensor) -> Draft:
+        """A step's own draft at bucket b, on the draft inputs it sent (the rows changed since the draft
+        made ahead, or there was none)."""
+        return self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs, self.draft_span(batch.reach))
+
     def run_draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, inputs: torch.Tensor,
                   span: int | None = None) -> Draft:
         """The draft graph on inputs already on the device (DraftInputs); syncs on the pick."""

@@ -49,9 +49,12 @@ class StepClock:
         self.marks = {"start": time.perf_counter()}
         self.measuring = self.catchup = self.ahead = self.redraft = 0.0
 
-    def mark(self, phase: str) -> None:
-        """phase 'draft' (the step's inputs sent), 'verify' (its draft ready), 'commit' (verified)."""
+    def mark(self, phase: str, catchup: float | None = None) -> None:
+        """phase 'draft' (the step's inputs sent, with the catch-up's seconds), 'verify' (its draft
+        ready), 'commit' (verified)."""
         self.marks[phase] = time.perf_counter()
+        if catchup is not None:
+            self.catchup = catchup
 
     def step_seconds(self, redrafted: bool) -> float:
         """Seconds from the draft on, with one draft: a fresh draft that also drafted ahead ran two, and
@@ -96,10 +99,13 @@ class Stats:
     unmeasured: dict = field(default_factory=dict)  # bucket -> steps its rows had left: its row not worth measuring
     trace: list | None = None  # per drafting step (prefix scores, keep_len, accepted) of live rows
 
-    def add(self, rec, kept: int, depth: int, gain_scale: float) -> None:
-        """Count one StepRecord (policy.py) with its kept drafts."""
+    def add(self, rec, kept, depth: int, gain_scale: float, draft=None, n_commit=None, rows=None) -> None:
+        """Count one StepRecord (policy.py) with its live rows' kept drafts [n_live]; with trace on, also
+        keep the draft's prefix scores, kept and accepted drafts of those rows (draft, n_commit [n_live])."""
         self.steps += 1
-        self.kept += kept
+        self.kept += int(kept.sum()) if isinstance(kept, torch.Tensor) else int(kept)
+        if self.trace is not None and draft is not None:  # for evaluation: an extra copy to the host
+            self.trace.append((draft.log_s[rows].exp().cpu(), kept, n_commit - 1))
         self.request_steps += rec.n_live
         self.committed += rec.accepted + rec.n_live
         self.rho_hist[rec.rho] += 1
