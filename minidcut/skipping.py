@@ -22,9 +22,12 @@ drafting clearly loses, the bound stays far below zero and a lucky probe changes
 Probes are paid from a budget set by the room to win: the tokens per second the best budget would
 commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5 at B = 64). Each AR
 step while off earns PROBE_SHARE of what drafting could save there at best, (room - 1) AR steps'
-worth of its seconds, and a probe runs once those earnings pay its price (never sooner than
-probe_every steps). Where drafting never pays, probing thus costs at most PROBE_SHARE * (room - 1) of
-the run; where it might win much, probes come often. A probe's price is a drafting step at the
+worth of its seconds, and a probe runs once those earnings pay its price, and never sooner than
+probe_floor steps: probe_every (16), doubled by each probe in a row that left drafting off (an
+exponential backoff: where drafting keeps losing, probes thin out geometrically, so their cost over a
+run grows with its logarithm), back to 16 once a probe turns drafting on. Where drafting never pays,
+probing thus costs at most PROBE_SHARE * (room - 1) of the run, and less as the backoff grows; where it
+might win much, probes come often. A probe's price is a drafting step at the
 dearest budget the rule may pick, less what drafting usually commits (a long running mean), plus the
 catch-up of the drafter's context it must write first (priced per position as the last one took).
 The catch-up grows with every skipped step, so where it grows faster than the earnings a probe waits
@@ -51,7 +54,9 @@ RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (
 PROBE_SHARE = 0.01  # probing spends at most this share of what drafting could save at best (room - 1)
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
 
-STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted")  # what is saved
+MAX_BACKOFF = 6  # probe_floor doubles at most this often: probe_every * 64 steps
+STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted",
+         "failed_probes")  # what is saved
 
 
 def t_quantile(p: float, df: float) -> float:
@@ -108,6 +113,7 @@ class SkipDrafting:
         self.skipped = 0  # AR steps since drafting went off
         self.catchup_per_position = 0.0  # seconds the last catch-up of the drafter's context took a position
         self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
+        self.failed_probes = 0  # probes in a row that left drafting off (probe_floor)
 
     @property
     def cost(self) -> dict[float, float]:
@@ -147,6 +153,7 @@ class SkipDrafting:
         self.evidence, self.accepted = evidence, accepted
         self.catchup_per_position = float(saved["catchup_per_position"])
         self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
+        self.failed_probes = int(saved["failed_probes"])
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:
         """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
@@ -173,16 +180,22 @@ class SkipDrafting:
         dearest = max(c for r, c in cost.items() if r > 0 and c != float("inf"))
         return dearest - cost[0.0] * (1.0 + self.usual_accepted) + self.catchup_per_position * behind
 
+    @property
+    def probe_floor(self) -> int:
+        """The fewest AR steps between probes: probe_every, doubled by every probe in a row that left
+        drafting off (at most MAX_BACKOFF doublings), back to probe_every once one turns it on."""
+        return self.probe_every << min(self.failed_probes, MAX_BACKOFF)
+
     def probe_period(self, behind: int = 0, cost: dict[float, float] | None = None) -> int:
         """AR steps a probe waits for while `behind` positions would need catching up: its price over
         what each AR step earns toward it, PROBE_SHARE of (room - 1) AR steps' seconds; at least
-        probe_every."""
+        probe_floor."""
         cost = cost or self.cost
         room = self.room(cost)
         if room <= 1.0:
-            return self.probe_every
+            return self.probe_floor
         earned = PROBE_SHARE * (room - 1.0) * cost[0.0]
-        return max(self.probe_every, int(self.probe_price(behind, cost) / earned) + 1)
+        return max(self.probe_floor, int(self.probe_price(behind, cost) / earned) + 1)
 
     def gain_over_ar(self, rec) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
@@ -226,5 +239,6 @@ class SkipDrafting:
             self.state = "off"
         elif self.state == "probing":
             self.state = "off" if self.losing else "drafting"
+            self.failed_probes = self.failed_probes + 1 if self.state == "off" else 0
         if self.state == "off":
             self.skipped = 0

@@ -181,19 +181,36 @@ def test_a_drafting_step_that_kept_nothing_refines_no_entry_and_nocal_refines_no
 
 # ---- skipping drafting -----------------------------------------------------------------------------
 
-def test_skip_drafting_switches_off_after_patience_and_reprobes():
+def test_skip_drafting_switches_off_after_patience_and_reprobes_backing_off():
     # B = 16: a drafting step costs 1.01-1.04 AR steps, so a probe that keeps nothing loses 0.04 AR steps
-    # at most (priced at the dearest budget), far less than the AR steps earn: probes every probe_every.
+    # at most (priced at the dearest budget), far less than the AR steps earn: the floor sets the period,
+    # probe_every (5) doubled by each probe in a row that left drafting off.
     s = skip(CostTable([16], RHOS, [[1.0, 1.01, 1.02, 1.03, 1.04]]), 16, patience=3, probe_every=5)
     drafted = []
-    for _ in range(23):  # rho* = 0 (nothing kept) whenever it drafts
+    for _ in range(80):  # rho* = 0 (nothing kept) whenever it drafts
         d = s.draft_now()
         drafted.append(d)
         s.observe(drafting(16, 0.0, 0.1) if d else ar_step(16))
     assert drafted[:3] == [True, True, True] and s.state == "off"
     assert not any(drafted[3:7])  # switched off...
-    assert drafted[7]  # ...then a probe after probe_every steps,
-    assert [i for i, d in enumerate(drafted) if d][3:] == [7, 12, 17, 22]  # one every probe period
+    probes = [i for i, d in enumerate(drafted) if d][3:]
+    assert probes == [7, 7 + 10, 7 + 10 + 20, 7 + 10 + 20 + 40]  # ...then probes 5, 10, 20, 40 AR steps apart
+    assert s.failed_probes == 4 and s.probe_floor == 80
+
+
+def test_a_probe_that_turns_drafting_on_resets_the_backoff():
+    s = skip(steep_table(), 16, patience=2, probe_every=4)
+    for _ in range(2):
+        s.observe(drafting(16, 0.25, 0.0))
+    for _ in range(3):  # three losing probes: the floor is 4 * 8
+        while not s.draft_now():
+            s.observe(ar_step(16))
+        s.observe(drafting(16, 0.25, 0.0))
+    assert s.state == "off" and s.probe_floor == 32
+    while not s.draft_now():
+        s.observe(ar_step(16))
+    s.observe(drafting(16, 0.25, 60.0))  # 1 + 60 / 16 tokens a row: drafting pays again
+    assert s.state == "drafting" and s.probe_floor == 4
 
 
 def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying():
