@@ -22,12 +22,12 @@ drafting clearly loses, the bound stays far below zero and a lucky probe changes
 Probes are paid from a budget set by the room to win: the tokens per second the best budget would
 commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5 at B = 64). Each AR
 step while off earns PROBE_SHARE of what drafting could save there at best, (room - 1) AR steps'
-worth of its seconds, and a probe runs once those earnings pay its price, and never sooner than
-probe_floor steps: probe_every (16), doubled by each probe in a row that left drafting off (an
-exponential backoff: where drafting keeps losing, probes thin out geometrically, so their cost over a
-run grows with its logarithm), back to 16 once a probe turns drafting on. Where drafting never pays,
-probing thus costs at most PROBE_SHARE * (room - 1) of the run, and less as the backoff grows; where it
-might win much, probes come often. A probe's price is a drafting step at the
+worth of its seconds, and a probe runs once those earnings pay its price (never sooner than
+probe_every steps). Each probe in a row that leaves drafting off doubles that period (an exponential
+backoff, at most MAX_BACKOFF times: where drafting keeps losing, probes thin out geometrically, so
+their cost over a run grows with its logarithm); one that turns drafting on resets it. Where drafting
+never pays, probing thus costs at most PROBE_SHARE * (room - 1) of the run, and less as the backoff
+grows; where it might win much, the first probe comes soon. A probe's price is a drafting step at the
 dearest budget the rule may pick, less what drafting usually commits (a long running mean), plus the
 catch-up of the drafter's context it must write first (priced per position as the last one took).
 The catch-up grows with every skipped step, so where it grows faster than the earnings a probe waits
@@ -54,7 +54,7 @@ RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (
 PROBE_SHARE = 0.01  # probing spends at most this share of what drafting could save at best (room - 1)
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
 
-MAX_BACKOFF = 6  # probe_floor doubles at most this often: probe_every * 64 steps
+MAX_BACKOFF = 6  # the probe period doubles at most this often (64x)
 STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted",
          "failed_probes")  # what is saved
 
@@ -113,7 +113,7 @@ class SkipDrafting:
         self.skipped = 0  # AR steps since drafting went off
         self.catchup_per_position = 0.0  # seconds the last catch-up of the drafter's context took a position
         self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
-        self.failed_probes = 0  # probes in a row that left drafting off (probe_floor)
+        self.failed_probes = 0  # probes in a row that left drafting off (backoff)
 
     @property
     def cost(self) -> dict[float, float]:
@@ -181,21 +181,21 @@ class SkipDrafting:
         return dearest - cost[0.0] * (1.0 + self.usual_accepted) + self.catchup_per_position * behind
 
     @property
-    def probe_floor(self) -> int:
-        """The fewest AR steps between probes: probe_every, doubled by every probe in a row that left
-        drafting off (at most MAX_BACKOFF doublings), back to probe_every once one turns it on."""
-        return self.probe_every << min(self.failed_probes, MAX_BACKOFF)
+    def backoff(self) -> int:
+        """How many times the probe period doubles: once per probe in a row that left drafting off (at
+        most MAX_BACKOFF times), none once a probe turns drafting on."""
+        return min(self.failed_probes, MAX_BACKOFF)
 
     def probe_period(self, behind: int = 0, cost: dict[float, float] | None = None) -> int:
         """AR steps a probe waits for while `behind` positions would need catching up: its price over
-        what each AR step earns toward it, PROBE_SHARE of (room - 1) AR steps' seconds; at least
-        probe_floor."""
+        what each AR step earns toward it, PROBE_SHARE of (room - 1) AR steps' seconds, at least
+        probe_every; doubled `backoff` times."""
         cost = cost or self.cost
         room = self.room(cost)
         if room <= 1.0:
-            return self.probe_floor
+            return self.probe_every << self.backoff
         earned = PROBE_SHARE * (room - 1.0) * cost[0.0]
-        return max(self.probe_floor, int(self.probe_price(behind, cost) / earned) + 1)
+        return max(self.probe_every, int(self.probe_price(behind, cost) / earned) + 1) << self.backoff
 
     def gain_over_ar(self, rec) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:

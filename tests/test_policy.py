@@ -183,8 +183,8 @@ def test_a_drafting_step_that_kept_nothing_refines_no_entry_and_nocal_refines_no
 
 def test_skip_drafting_switches_off_after_patience_and_reprobes_backing_off():
     # B = 16: a drafting step costs 1.01-1.04 AR steps, so a probe that keeps nothing loses 0.04 AR steps
-    # at most (priced at the dearest budget), far less than the AR steps earn: the floor sets the period,
-    # probe_every (5) doubled by each probe in a row that left drafting off.
+    # at most (priced at the dearest budget), far less than the AR steps earn: probe_every (5) sets the
+    # period, doubled by each probe in a row that left drafting off.
     s = skip(CostTable([16], RHOS, [[1.0, 1.01, 1.02, 1.03, 1.04]]), 16, patience=3, probe_every=5)
     drafted = []
     for _ in range(80):  # rho* = 0 (nothing kept) whenever it drafts
@@ -195,7 +195,7 @@ def test_skip_drafting_switches_off_after_patience_and_reprobes_backing_off():
     assert not any(drafted[3:7])  # switched off...
     probes = [i for i, d in enumerate(drafted) if d][3:]
     assert probes == [7, 7 + 10, 7 + 10 + 20, 7 + 10 + 20 + 40]  # ...then probes 5, 10, 20, 40 AR steps apart
-    assert s.failed_probes == 4 and s.probe_floor == 80
+    assert s.failed_probes == 4 and s.probe_period() == 80
 
 
 def test_a_probe_that_turns_drafting_on_resets_the_backoff():
@@ -206,11 +206,11 @@ def test_a_probe_that_turns_drafting_on_resets_the_backoff():
         while not s.draft_now():
             s.observe(ar_step(16))
         s.observe(drafting(16, 0.25, 0.0))
-    assert s.state == "off" and s.probe_floor == 32
+    assert s.state == "off" and s.backoff == 3
     while not s.draft_now():
         s.observe(ar_step(16))
     s.observe(drafting(16, 0.25, 60.0))  # 1 + 60 / 16 tokens a row: drafting pays again
-    assert s.state == "drafting" and s.probe_floor == 4
+    assert s.state == "drafting" and s.backoff == 0
 
 
 def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying():
