@@ -40,7 +40,8 @@ def documented_commands() -> list[tuple[str, list[str]]]:
 
 
 def parser_of(argv: list[str]):
-    """(program name, its parse function) for `python -m minidcut.X ...` or `python tools/X.py ...`."""
+    """(program name, its parse function, its arguments) for `python -m minidcut.<name> ...` or `python
+    tools/<name>.py ...`."""
     if argv[:2] == ["-m", "minidcut.generate"] or argv[:2] == ["-m", "minidcut.bench"]:
         module = importlib.import_module(argv[1])
         return argv[1], module.parse_args, argv[2:]
