@@ -20,7 +20,7 @@ from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
 from minidcut.runtime import setup
-from tiny import BASE, make_drafter, make_model
+from tiny import BASE, Alternating, make_drafter, make_model
 
 B = 2
 GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -174,20 +174,6 @@ def test_profiling_then_decoding_in_one_process_never_recompiles_or_reallocates(
     assert cache_pointers(target, drafter) == pointers
 
 
-class AlternatingStatic(Policy):
-    """static 0.5, drafting on two steps of every three: the AR steps between leave the drafter's context
-    behind, and the next drafting step catches it up."""
-
-    def __init__(self):
-        super().__init__("static", [0.5])
-        self.n = 0
-
-    def plan(self, bucket, behind=0, n_live=None, usable=None):
-        import dataclasses
-        self.n += 1
-        return dataclasses.replace(super().plan(bucket, behind, n_live, usable), draft=self.n % 3 != 0)
-
-
 def check_a_compacting_run_is_lossless_at_every_bucket(target, drafter):
     """B = 8, eight requests asking for 8 to 120 new tokens: the batch compacts 8 -> 4 -> 2 -> 1 as they
     finish, with drafting skipped every third step (and caught up after), compiled; the tokens are AR's."""
@@ -196,7 +182,7 @@ def check_a_compacting_run_is_lossless_at_every_bucket(target, drafter):
     lengths = [8, 16, 24, 40, 56, 72, 96, 120]
     ar, _ = Engine(target, None, Policy.ar(), batch_size=8, max_seq=MAX_SEQ, eos_ids=[],
                    compile=False).generate(prompts, lengths)
-    engine = Engine(target, drafter, AlternatingStatic(), batch_size=8, max_seq=MAX_SEQ, eos_ids=[], compile=True)
+    engine = Engine(target, drafter, Alternating(3), batch_size=8, max_seq=MAX_SEQ, eos_ids=[], compile=True)
     moves, catch_ups = [], []
     real_move, real_catch_up = engine.runner.move_rows, engine.runner.catch_up
     engine.runner.move_rows = lambda *a: (moves.append(1), real_move(*a))[1]

@@ -21,7 +21,7 @@ from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
 from minidcut.stats import Stats
-from tiny import make_drafter, make_model
+from tiny import Alternating, make_drafter, make_model
 
 GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
 
@@ -87,17 +87,8 @@ def test_a_steady_step_copies_once_each_way_when_it_drafts_and_once_back_when_it
 def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
     """The next step's draft is made by a drafting step; when the next step runs AR instead, that draft
     belongs to positions that have moved on and must never be used later."""
-    class Alternating(Policy):  # static 0.5, drafting every other step
-        def __init__(self):
-            super().__init__("static", [0.5])
-            self.n = 0
-
-        def plan(self, bucket, behind=0, n_live=None, usable=None):
-            self.n += 1
-            return dataclasses.replace(super().plan(bucket, behind, n_live, usable), draft=self.n % 2 == 1)
-
     target, drafter = tiny_pair(tmp_path)
-    engine = Engine(target, drafter, Alternating(), batch_size=2, max_seq=96, eos_ids=[], compile=False)
+    engine = Engine(target, drafter, Alternating(2), batch_size=2, max_seq=96, eos_ids=[], compile=False)
     fresh = []
     real_draft = engine.runner.run_draft
     engine.runner.run_draft = lambda *a, **k: (fresh.append(1), real_draft(*a, **k))[1]
@@ -151,17 +142,8 @@ def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
     way of its own), compactions at a batch's tail, catch-ups of the drafter's context after AR steps
     and fresh drafts. Each sends all its host inputs in one copy from the staging buffer; nothing else
     reaches the device from a host list; one copy back, two when a fresh draft syncs on its pick."""
-    class Alternating(Policy):  # static 0.5, drafting on two of every three steps: AR steps need catching up
-        def __init__(self):
-            super().__init__("static", [0.5])
-            self.n = 0
-
-        def plan(self, bucket, behind=0, n_live=None, usable=None):
-            self.n += 1
-            return dataclasses.replace(super().plan(bucket, behind, n_live, usable), draft=self.n % 3 != 0)
-
     target, drafter = tiny_pair(tmp_path)
-    engine = Engine(target, drafter, Alternating(), batch_size=4, max_seq=128, eos_ids=[], compile=False)
+    engine = Engine(target, drafter, Alternating(3), batch_size=4, max_seq=128, eos_ids=[], compile=False)
     counts, per_step, inside, seen = collections.Counter(), [], [], collections.Counter()
     real_counted = engine.runner.graphs.counted
 

@@ -3,11 +3,14 @@ save_pretrained, weights scaled up so logits are far from ties."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 import transformers
+
+from minidcut.policy import Policy
 
 BASE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
@@ -107,3 +110,16 @@ def make_tokenized_pair(root: Path, vocab_size: int = 300) -> tuple[Path, Path]:
     tok.save_pretrained(target)
     make_drafter(drafter, hf.config, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"))
     return target, drafter
+
+
+class Alternating(Policy):
+    """static 0.5 that skips drafting on every `period`-th step: the AR steps between leave the drafter's
+    context behind for the next drafting step to catch up, and drop any draft made ahead."""
+
+    def __init__(self, period: int):
+        super().__init__("static", [0.5])
+        self.period, self.n = period, 0
+
+    def plan(self, bucket, behind=0, n_live=None, usable=None):
+        self.n += 1
+        return dataclasses.replace(super().plan(bucket, behind, n_live, usable), draft=self.n % self.period != 0)
