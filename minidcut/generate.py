@@ -3,8 +3,8 @@
 With no arguments it runs the shipped demo pair (models/) on four built-in code prompts with the
 adaptive `dcut` policy, then the same prompts with AR decoding for the speedup. The prompts ask for
 48, 96, 160 and 256 new tokens (BUILTIN_LENGTHS), so the batch drains as they finish: four requests
-at bucket 4, then three, two at bucket 2 and the last alone at bucket 1, and D-cut decides at each
-bucket (whether drafting pays there, and rho per step). Results are written as requests finish;
+at bucket 4, then three, then (usually) two at bucket 2 and the last alone at bucket 1, and D-cut
+decides at each bucket (whether drafting pays there, and rho per step). Results are written as requests finish;
 Ctrl-C keeps every finished request.
 """
 
@@ -33,7 +33,7 @@ BUILTIN_PROMPTS = [
     "import os\n\n\ndef list_python_files(root):\n",
     "def read_lines(path, encoding='utf-8'):\n",
 ]
-BUILTIN_LENGTHS = [48, 96, 160, 256]  # new tokens of each built-in prompt: the batch drains 4 -> 2 -> 1
+BUILTIN_LENGTHS = [48, 96, 160, 256]  # new tokens of each built-in prompt: the batch drains from bucket 4 down
 DEFAULT_MAX_NEW_TOKENS = 64
 
 

@@ -85,15 +85,16 @@ def test_every_documented_command_parses_as_written(where, argv):
 
 def test_the_default_command_shows_dcut_deciding_per_bucket_and_its_speedup_over_ar(tmp_path, capsys):
     """`python -m minidcut.generate` as the README gives it (its cost table in a temporary file): the batch
-    drains through buckets 4, 2 and 1, the summary says per bucket how many steps drafted and with which
+    drains from bucket 4 down, the summary says per bucket how many steps drafted and with which
     rho, and the same process measures AR on the same prompts, with the same tokens. Whether a bucket
     drafts depends on the machine's costs (docs/bench/README.md has runs), so it is not asserted."""
     from minidcut.generate import main
     argv = next(argv for where, argv in COMMANDS if where.startswith("README.md") and argv == ["-m", "minidcut.generate"])
     assert main([*argv[2:], "--cost-table", str(tmp_path / "t.json"), "--threads", "1"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for bucket in (4, 2, 1):
-        assert re.search(rf"bucket {bucket}: \d+ steps, \d+ drafting", text), bucket
+    buckets = [int(b) for b in re.findall(r"bucket (\d+): \d+ steps, \d+ drafting", text)]
+    assert buckets[0] == 4 and min(buckets) < 4  # it drains (which smaller buckets it passes through
+    #                                              depends on how many tokens its steps commit)
     assert "rho per step: " in text  # which rho each step chose (whether it drafts is the machine's call)
     assert re.search(r"AR in this process: [\d.]+ tok/s; dcut is [\d.]+x AR", text)
     assert "the same tokens as AR decoding in all 4 requests" in text
