@@ -21,7 +21,6 @@ where the file stops.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ if __name__ == "__main__":  # run as a script: import from the repo root, not to
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from minidcut import Engine, cli, load_target, load_tokenizer  # noqa: E402
+from minidcut import Engine, cli, load_pair, load_tokenizer  # noqa: E402
 
 CHUNK = 256  # prompts per generate() call between saves
 
@@ -51,9 +50,11 @@ def sampled_at(i: int, share: float) -> bool:
 
 @torch.inference_mode()
 def generate_chat(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int, out: Path,
-                  meta: dict, console: Console, temperature: float = 0.0, share: float = 0.0) -> dict:
+                  meta: dict, console: Console, temperature: float = 0.0, share: float = 0.0,
+                  seconds: float | None = None) -> dict:
     """Answers to `prompts` (token ids), greedy or (sampled_at) sampled at `temperature` with the seed of
-    its chunk, appended to the data file `out` chunk by chunk."""
+    its chunk, appended to the data file `out` chunk by chunk (max(CHUNK, batch_size) prompts), until
+    every prompt is answered or a chunk ends past `seconds`."""
     data = torch.load(out) if out.is_file() else {"sequences": [], "starts": [], "sampled": [], "meta": meta}
     for key in ("prompts", "temperature", "sampled_share"):
         if data["meta"].get(key, 0.0 if key != "prompts" else None) != meta.get(key):
@@ -62,8 +63,12 @@ def generate_chat(target, prompts: list[list[int]], max_new_tokens: int, batch_s
     done = len(data["sequences"])
     max_seq = max(map(len, prompts)) + max_new_tokens + 2
     t0 = time.time()
-    for i in range(done, len(prompts), CHUNK):
-        chunk = list(range(i, min(i + CHUNK, len(prompts))))
+    size = max(CHUNK, batch_size)
+    for i in range(done, len(prompts), size):
+        if seconds is not None and time.time() - t0 > seconds:
+            console.log(f"stopping at {len(data['sequences'])}/{len(prompts)}: past --seconds {seconds:.0f}")
+            break
+        chunk = list(range(i, min(i + size, len(prompts))))
         outs, generated = {}, 0
         for sampled in (False, True):  # one engine per sampling mode; the seed differs per chunk
             part = [j for j in chunk if sampled_at(j, share) == sampled]
@@ -97,6 +102,10 @@ def main(argv=None) -> int:
     p.add_argument("--sampled-share", type=float, default=0.0,
                    help="share of the prompts answered by sampling instead of greedily (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when there is one)")
+    p.add_argument("--dtype", default=None, help="the target's dtype (default: bfloat16 on CUDA, float32 on a CPU)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="stop after the chunk that ends past this many seconds (run again to go on)")
     p.add_argument("--out", required=True, help="data file (.pt); an existing one is continued")
     args = p.parse_args(argv)
     if not 0 <= args.sampled_share <= 1 or args.temperature <= 0:
@@ -108,15 +117,14 @@ def main(argv=None) -> int:
     every, _ = cli.read_prompts(args.prompts, None, tok, cli.parse_chat(args.chat), args.target)
     ids = [x for x in every[: args.limit] if len(x) <= args.max_prompt_tokens]
     console.log(f"{len(ids)} prompts of {len(every[: args.limit])} fit --max-prompt-tokens {args.max_prompt_tokens}")
-    target = load_target(args.target)
-    if target.model.embed_tokens.weight.device.type == "cpu":
-        target.pack()  # eager decoding: linear layers packed for oneDNN (layers.PackedLinear), ~2x faster here
+    # on a CPU the linear layers are packed for oneDNN (layers.PackedLinear): eager decoding ~2x faster there
+    target, _, _, dtype = load_pair(args.target, None, args.dtype, args.device)
     share = args.sampled_share
     meta = {"target": str(args.target), "prompts": str(args.prompts), "chat": args.chat,
             "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-            "temperature": args.temperature if share else 0.0, "sampled_share": share}
+            "temperature": args.temperature if share else 0.0, "sampled_share": share, "dtype": str(dtype)}
     data = generate_chat(target, ids, args.max_new_tokens, args.batch_size, Path(args.out), meta, console,
-                         args.temperature, share)
+                         args.temperature, share, args.seconds)
     lens = [len(s) - st for s, st in zip(data["sequences"], data["starts"])]
     console.log(f"{args.out}: {len(lens)} sequences, {sum(lens)} generated tokens (mean {sum(lens) / len(lens):.0f})")
     return 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script: import from the repo root, not tools/
@@ -31,7 +32,7 @@ if __name__ == "__main__":  # run as a script: import from the repo root, not to
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from minidcut import Engine, load_target, load_tokenizer, runtime  # noqa: E402
+from minidcut import Engine, load_pair, load_tokenizer, runtime  # noqa: E402
 from tools.dedup import NearDup  # noqa: E402
 from tools.prompt_sources import guess_domain  # noqa: E402
 
@@ -98,6 +99,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256, help="a longer question is dropped")
     p.add_argument("--batch-size", type=int, default=32, help="samples per chunk")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when there is one)")
+    p.add_argument("--dtype", default=None, help="the target's dtype (default: bfloat16 on CUDA, float32 on a CPU)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="stop after the chunk that ends past this many seconds, with fewer than --count if so")
     args = p.parse_args(argv)
     runtime.setup(args.threads)
     console = Console()
@@ -114,11 +119,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     kept, seed = read_existing(out, args.domain, dedup)
     prefix = user_prefix(tok, DOMAIN_SYSTEM[args.domain])
-    target = load_target(args.target)
-    if target.model.embed_tokens.weight.device.type == "cpu":
-        target.pack()  # eager decoding: linear layers packed for oneDNN, as tools/distill.py does
-    idle = 0
+    target, _, _, _ = load_pair(args.target, None, args.dtype, args.device)  # packed on a CPU, as in distill.py
+    idle, t0 = 0, time.time()
     while kept < args.count:
+        if args.seconds is not None and time.time() - t0 > args.seconds:
+            console.log(f"stopping with {kept}/{args.count} {args.domain} prompts: past --seconds {args.seconds:.0f}")
+            break
         texts = sample_chunk(target, tok, prefix, args.batch_size, args, seed)
         labelled = [(t, guess_domain(t)) for t in texts if acceptable(t)]
         new = [(t, d) for t, d in labelled if args.domain in ("chat", d) and dedup.add(t)[0] == "kept"]

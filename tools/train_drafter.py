@@ -61,6 +61,9 @@ from minidcut.loader import load_drafter, load_target  # noqa: E402
 from minidcut.model import prefill_layout  # noqa: E402
 
 
+PACE_STEPS = 10  # steps timed to size a --seconds budget
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -102,6 +105,9 @@ def parse_args(argv=None):
     p.add_argument("--loss-slots", type=int, default=None,
                    help="train only the first N draft slots (default: all D): the deep ones weigh little "
                         "under the decay but cost as much in the lm_head")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="train for about this long instead of --steps: the steps are set from the pace of "
+                        "the first %d (the schedule's warm-up and cosine follow them)" % PACE_STEPS)
     p.add_argument("--save-every", type=int, default=None,
                    help="also save the drafter to --out every N steps (a chunk cut short keeps its progress)")
     p.add_argument("--seed", type=int, default=0)
@@ -457,7 +463,14 @@ def main(argv=None):
     ema = first = None
     with progress(console) as bar:
         task = bar.add_task("train drafter", total=args.steps, info="")
-        for step in range(args.steps):
+        step = 0
+        while step < args.steps:
+            if args.seconds and step == PACE_STEPS:  # steps 1..PACE_STEPS timed (step 0 pays warm-up)
+                pace = (time.time() - t_pace) / (PACE_STEPS - 1)
+                args.steps = max(PACE_STEPS + 1, int((args.seconds - (time.time() - t_train)) / pace) + PACE_STEPS)
+                warm = max(args.steps // 20, 1)
+                bar.update(task, total=args.steps)
+                console.log(f"{pace * 1e3:.0f} ms a step: {args.steps} steps in --seconds {args.seconds:g}")
             lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -470,6 +483,7 @@ def main(argv=None):
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
             first = loss.item() if first is None else first
+            t_pace = time.time() if step == 0 else t_pace
             ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
             bar.update(task, advance=1, info=f"loss {ema:.3f} acc@1 {acc1.item():.2f}")
             if not console.is_terminal and (step + 1) % 50 == 0:  # a log line when not on a terminal
@@ -477,6 +491,7 @@ def main(argv=None):
             if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 save_drafter(drafter, Path(args.out),
                              train_log(args, argv, drafter, seqs, starts, step + 1, t_start, t_train, first, ema))
+            step += 1
     log = train_log(args, argv, drafter, seqs, starts, args.steps, t_start, t_train, first, ema)
     save_drafter(drafter, Path(args.out), log)
     console.print(f"saved {args.out} ({log['parameters'] / 1e6:.2f}M parameters, {log['wall_seconds']:.0f} s)")
