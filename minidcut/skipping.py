@@ -33,6 +33,14 @@ catch-up of the drafter's context it must write first (priced per position as th
 The catch-up grows with every skipped step, so where it grows faster than the earnings a probe waits
 for rows that have little to catch up (requests admitted since).
 
+What drafting alone pays around its steps comes in lumps: a prompt's context for the drafter when it
+is admitted, a draft made afresh when the rows change, the catch-up before a drafting step. A sample is
+charged these at their long running rate per drafting step (OVERHEAD_DECAY), not as they fall: the
+expected charge is the same, and one lump cannot decide a sample. At B = 1 a probe after an admission
+would otherwise carry the whole prompt's context and lose where drafting doubles the tokens per
+second. A probe's own catch-up, of the positions skipped while drafting was off, is the price of
+having been off: the probe budget pays it (below) and the rate leaves it out.
+
 Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
 Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
 controller never drafts (`possible` is False). Without a table row for this batch size it does not
@@ -53,10 +61,11 @@ CONFIDENCE = 0.90  # drafting goes off when its mean gain over AR is below zero 
 RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (~50 steps, probes included)
 PROBE_SHARE = 0.01  # probing spends at most this share of what drafting could save at best (room - 1)
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
+OVERHEAD_DECAY = 0.995  # drafting's lumps (redraft, catch-up, prompt context) per drafting step, ~200 steps
 
 MAX_BACKOFF = 6  # the probe period doubles at most this often (64x)
 STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted",
-         "failed_probes")  # what is saved
+         "failed_probes", "overhead")  # what is saved
 
 
 def t_quantile(p: float, df: float) -> float:
@@ -114,6 +123,7 @@ class SkipDrafting:
         self.catchup_per_position = 0.0  # seconds the last catch-up of the drafter's context took a position
         self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
         self.failed_probes = 0  # probes in a row that left drafting off (backoff)
+        self.overhead = [0.0, 0.0]  # long running [seconds drafting alone paid around its steps, drafting steps]
 
     @property
     def cost(self) -> dict[float, float]:
@@ -154,6 +164,10 @@ class SkipDrafting:
         self.catchup_per_position = float(saved["catchup_per_position"])
         self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
         self.failed_probes = int(saved["failed_probes"])
+        overhead = [float(x) for x in saved.get("overhead", (0.0, 0.0))]  # states saved before it: none yet
+        if len(overhead) != 2:
+            raise ValueError("skip state: overhead must be [seconds, steps]")
+        self.overhead = overhead
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:
         """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
@@ -197,16 +211,20 @@ class SkipDrafting:
         earned = PROBE_SHARE * (room - 1.0) * cost[0.0]
         return max(self.probe_every, int(self.probe_price(behind, cost) / earned) + 1) << self.backoff
 
-    def gain_over_ar(self, rec) -> float:
+    @property
+    def usual_overhead(self) -> float:
+        """Seconds drafting alone pays per drafting step around it, a long running mean (0 before any)."""
+        return self.overhead[0] / self.overhead[1] if self.overhead[1] > 0 else 0.0
+
+    def gain_over_ar(self, rec, overhead: float = 0.0) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
         1 + accepted / n_live - its seconds / an AR step's, its seconds being the table's for its rho
-        plus what drafting alone paid for around it: a draft made afresh when its rows changed, the
-        catch-up of the drafter's context before it, and the drafter's context of prompts admitted
-        since the last drafting step. What the step realized, not what it was predicted to: the rule
-        picks the rho whose prediction is highest, so the picked prediction runs high, most where
-        drafting is near break-even (docs/method.md, "Skipping drafting")."""
-        seconds = self.seconds(True, rec.rho) + rec.redraft + rec.catchup + rec.prompt_context
-        return 1.0 + rec.accepted / max(rec.n_live, 1) - seconds / self.seconds(False)
+        plus `overhead`, what drafting alone pays around a step (a draft made afresh when its rows
+        changed, the catch-up of the drafter's context, the drafter's context of admitted prompts; observe
+        passes their running rate). What the step realized, not what it was predicted to: the rule picks
+        the rho whose prediction is highest, so the picked prediction runs high, most where drafting is
+        near break-even (docs/method.md, "Skipping drafting")."""
+        return 1.0 + rec.accepted / max(rec.n_live, 1) - (self.seconds(True, rec.rho) + overhead) / self.seconds(False)
 
     def draft_now(self, behind: int = 0, n_live: int | None = None, usable: int | None = None) -> bool:
         """Whether this step drafts; behind: the positions a draft would first catch up; n_live,
@@ -231,9 +249,11 @@ class SkipDrafting:
         if rec.rho > 0:
             self.accepted = [ACCEPTED_DECAY * self.accepted[0] + rec.accepted,
                              ACCEPTED_DECAY * self.accepted[1] + rec.n_live]
+        lump = rec.redraft + rec.prompt_context + (rec.catchup if self.state != "probing" else 0.0)
+        self.overhead = [OVERHEAD_DECAY * self.overhead[0] + lump, OVERHEAD_DECAY * self.overhead[1] + 1.0]
         # A step with few live rows (a batch's tail, where each keeps more of the budget) counts for
         # what it commits: its gain per row is weighted by its share of the batch's rows.
-        self.evidence.add(self.gain_over_ar(rec) * rec.n_live / self.B)
+        self.evidence.add(self.gain_over_ar(rec, self.usual_overhead) * rec.n_live / self.B)
         self.drafting_steps += 1
         if self.state == "drafting" and self.drafting_steps >= self.patience and self.losing:
             self.state = "off"

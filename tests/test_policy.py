@@ -323,14 +323,36 @@ def test_only_a_step_of_drafting_that_is_on_drafts_the_next_block_ahead():
 
 def test_a_draft_made_afresh_counts_against_drafting():
     """A step whose rows changed drafts afresh and then ahead: the table entry it refines keeps one
-    draft, but the controller charges drafting for the other (StepRecord.redraft) too."""
+    draft, but the controller charges drafting for the other (StepRecord.redraft) too, with the catch-up
+    and the prompts' context: at their running rate per drafting step."""
     s = skip(steep_table(), 16)  # rho .25 costs 1.6 AR steps
     steady = drafting(16, 0.25, 16.0, seconds=1.6)
     assert s.gain_over_ar(steady) == pytest.approx(1 + 1 - 1.6)
-    fresh = dataclasses.replace(steady, redraft=0.5)  # half an AR step spent redrafting
-    assert s.gain_over_ar(fresh) == pytest.approx(1 + 1 - 2.1)
-    # the drafter's context written before it (catch-up) and for prompts admitted since: drafting's too
-    assert s.gain_over_ar(dataclasses.replace(steady, catchup=0.2, prompt_context=0.3)) == pytest.approx(1 + 1 - 2.1)
+    assert s.gain_over_ar(steady, overhead=0.5) == pytest.approx(1 + 1 - 2.1)
+    s.observe(dataclasses.replace(steady, redraft=0.2, catchup=0.2, prompt_context=0.2))
+    assert s.usual_overhead == pytest.approx(0.6) and s.evidence.mean == pytest.approx(1 + 1 - 2.2)
+    s.observe(steady)  # no lump this step: the rate falls, the second sample pays its share of the first's
+    assert s.usual_overhead == pytest.approx(0.6 * 0.995 / 1.995)
+    assert s.evidence.sums[1] == pytest.approx(0.98 * (2 - 2.2) + 2 - 1.6 - s.usual_overhead)
+
+
+def test_a_probe_after_an_admission_is_charged_the_prompts_context_at_its_rate_not_whole():
+    """B = 1, where drafting commits three tokens a step for 1.3 AR steps. Four poor first steps turned
+    drafting off; the probe lands on the first block of a newly admitted request, whose prompt's
+    context for the drafter cost 3 AR steps. Charged whole, that probe would lose (3 - 1.3 - 3.5 < 0)
+    and keep drafting off where it doubles the tokens per second; at the lumps' running rate it wins,
+    and drafting is on again. Its catch-up of the positions skipped while off is the probe budget's."""
+    s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1)
+    for _ in range(4):
+        assert s.draft_now()
+        s.observe(drafting(1, 0.25, 0.0))
+    assert s.state == "off"
+    s.state, s.skipped = "probing", 0  # a probe is due
+    probe = dataclasses.replace(drafting(1, 0.25, 2.0), prompt_context=3.0, catchup=0.5, caught_up=50)
+    assert s.gain_over_ar(probe, overhead=3.5) < 0
+    s.observe(probe)
+    assert s.usual_overhead == pytest.approx(3.0 / (1 + 0.995 + 0.995 ** 2 + 0.995 ** 3 + 0.995 ** 4))
+    assert s.state == "drafting" and s.failed_probes == 0
 
 
 def test_losing_probes_pile_up_so_one_lucky_probe_does_not_turn_drafting_on():

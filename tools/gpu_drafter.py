@@ -6,7 +6,8 @@ Stages (each writes WORK/<stage>.json when it is done; run the command again and
            take --target as it is
   prompts  the permissive mix (models/prompts_mix_train.jsonl.gz) and prompts the target writes itself
            (tools/magpie.py, one run per domain, --magpie-seconds in all); prompts that share a 13-word run
-           with a held-out set (models/prompts_*heldout.jsonl) or a --test file are dropped, and
+           with a held-out set (models/prompts_mix_heldout.jsonl, prompts_chat_heldout.jsonl,
+           prompts_heldout.jsonl) or a --test file are dropped, and
            tools/decontaminate.py checks the file written. Domains take turns, so a budget that answers
            only the first prompts still answers every domain
   answers  the target's own answers (tools/distill.py: minidcut's Engine, AR, --batch-size rows, greedy and
