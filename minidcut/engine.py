@@ -243,6 +243,14 @@ class Engine:
         kernels load on first use); returns the seconds it took."""
         t0 = time.perf_counter()
         keys = self.reachable(max_batch, min_batch)
+        graphs = self.runner.graphs
+        new = sum(key not in graphs.graphs for key in keys) if self.compile else 0
+        if new and graphs.on_compile is not None:  # what the user waits for, before the first compile
+            s = graphs.seconds_per_graph()
+            graphs.on_compile(f"{new} graphs to compile before the first step: " + (
+                f"~{new * s / 60:.1f} min at the {s:.0f} s a graph of the last compile of these models here (an "
+                f"empty compile cache takes longer, a warm one less)" if s else
+                "no earlier compile of these models here; the first graph tells"))
         drafts = {}
         for i, (kind, b, K, write) in enumerate(keys, 1):
             done = time.perf_counter() - t0  # what the graphs so far took: the rest, roughly, at that pace
@@ -260,4 +268,6 @@ class Engine:
                     fn(*z, drafts[b].drafts, drafts[b].keep_lens[ri].clone())
         if any(not write for *_, write in keys):  # steps that skip drafting: the catch-up after them (eager)
             self.drafter.catch_up(*torch.zeros(2, 1, dtype=torch.long, device=self.device))
+        if new:
+            graphs.remember((time.perf_counter() - t0) / new)
         return time.perf_counter() - t0

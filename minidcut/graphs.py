@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .dcut import budget, select
 from .model import causal_layout
 from .policy import StepPlan
+from .runtime import COMPILE_CACHE
 from .sampling import accept, sample, sample_keys
 
 
@@ -80,6 +84,35 @@ class Graphs:
         self.compile, self.on_compile = compile, on_compile  # on_compile(message) before a graph compiles
         self.graphs: dict[tuple, callable] = {}
         self.calls: collections.Counter = collections.Counter()  # runs of each graph (warmup checks)
+        self.record = COMPILE_CACHE / "graph_seconds.json"  # seconds a graph took to compile here, by machine and models
+
+    def signature(self) -> str:
+        """What a graph's compile time depends on: the device, the models' configs and dtypes, the cache size."""
+        dev = self.target.lm_head.weight.device
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        parts = [name, repr(self.target.cfg), str(self.target.lm_head.weight.dtype), str(self.max_seq)]
+        if self.drafter is not None:
+            parts += [repr(self.drafter.cfg), str(self.drafter.fc.weight.dtype)]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    def seconds_per_graph(self) -> float | None:
+        """The seconds a graph took to compile the last time these models compiled here (None: never)."""
+        try:
+            return float(json.loads(self.record.read_text())[self.signature()])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def remember(self, seconds_per_graph: float) -> None:
+        try:
+            saved = json.loads(self.record.read_text()) if self.record.is_file() else {}
+        except (OSError, ValueError):
+            saved = {}
+        saved = saved if isinstance(saved, dict) else {}
+        saved[self.signature()] = round(seconds_per_graph, 2)
+        Path(self.record).parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.record.with_name(self.record.name + ".tmp")
+        tmp.write_text(json.dumps(saved, indent=1) + "\n")
+        tmp.replace(self.record)
 
     def budgets(self, b: int) -> list[int]:
         """K(rho) for every rho of the policy's grid at bucket b."""

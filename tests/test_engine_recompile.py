@@ -11,6 +11,7 @@ And Engine.warmup() must leave nothing for a real run to compile.
 
 from __future__ import annotations
 
+import json
 import pytest
 import torch
 
@@ -200,3 +201,30 @@ def test_a_compiled_run_compacting_8_4_2_1_with_skipped_drafting_is_lossless(tin
 @pytest.mark.slow
 def test_a_compiled_run_compacting_8_4_2_1_with_skipped_drafting_is_lossless_inductor(tiny_pair, fresh_dynamo):
     check_a_compacting_run_is_lossless_at_every_bucket(*tiny_pair)
+
+
+def test_warmup_says_how_many_graphs_and_how_long_before_the_first_compile(tiny_pair, fresh_dynamo, eager_backend,
+                                                                           tmp_path):
+    """The first compile of these models here can only count its graphs; it records its seconds a graph,
+    and the next engine of the same models says how long its graphs will take before compiling any."""
+    target, drafter = tiny_pair
+    said = []
+
+    def engine():
+        e = Engine(target, drafter, Policy.full(), batch_size=2, max_seq=MAX_SEQ, compile=True, on_compile=said.append)
+        e.runner.graphs.record = tmp_path / "graph_seconds.json"
+        return e
+
+    first = engine()
+    n = len(first.reachable())
+    first.warmup()
+    assert said[0] == f"{n} graphs to compile before the first step: no earlier compile of these models here; the first graph tells"
+    assert said[1].startswith("compiling ") and len(said) == n + 1
+    per_graph = json.loads((tmp_path / "graph_seconds.json").read_text())[first.runner.graphs.signature()]
+    assert per_graph > 0
+    said.clear()
+    engine().warmup()
+    assert said[0].startswith(f"{n} graphs to compile before the first step: ~{n * per_graph / 60:.1f} min at the ")
+    said.clear()
+    first.warmup()  # nothing left to compile: nothing to say
+    assert said == []

@@ -3,6 +3,7 @@ side-by-side bench on random-weight models of real shapes, in one JSON report.
 
     python tools/gpu_check.py --out gpu_report.json     # at most ~30 minutes (B = 1, 16, 64)
     python tools/gpu_check.py --quick                   # at most ~13 minutes (B = 16)
+    python tools/gpu_check.py --first-hour --out first_hour.json   # at most ~8 minutes (see "The first hour")
 
 1. tests   `python -m pytest -q -m cuda` in a subprocess (tests/test_cuda.py and test_moe.py's CUDA
            test): pass / fail / skip counts and the failures.
@@ -35,8 +36,50 @@ The report is written after every part, so a run killed from outside keeps the p
 The plans come from one H200 run (torch 2.11, docs/bench/README.md): the tests took 195 s, and one
 batch size of the dense model's cost table 138 s, 128 s of it compiling its 6 graphs (~5-40 s each).
 
+The first hour (--first-hour; nothing else runs): what a new user's first run pays, on the dense model at
+Qwen3-8B's full shape (36 layers; --layers cuts it), bf16, random weights, in one JSON report:
+1. bandwidth    dst.copy_(src) of 1 GiB on the device, the best of 5 rounds of 5 copies:
+                bandwidth = 2 x bytes / seconds per copy (read + written): the machine's limit below.
+2. first token  seconds from a process's start to its first committed token, in two child processes
+                (--first-token-child): cold, on an empty compile cache (TORCHINDUCTOR_CACHE_DIR and
+                TRITON_CACHE_DIR in a temporary directory), then warm, a second process on that cache.
+                Each does what a new user's first `python -m minidcut.generate --batch-size 32` does with
+                32 prompts (64 random tokens, 64 new): no cost table on file for this fingerprint, so
+                load_table gives an empty table; build_policy("dcut"); an Engine with the default
+                settings (compiled on CUDA); Engine.warmup; freeze_heap; then the first step: the prefill,
+                the cost row of bucket 32 measured on the live rows (profiler.measure_row), the step. One
+                difference: generate warms every bucket up to 32 (for the drain), here bucket 32 only;
+                `cli_graphs` counts the graphs generate would compile, and seconds per graph times the
+                difference is what it pays on top. Per graph: from Graphs.get announcing it (on_compile)
+                to the next announcement: compiling, recording its CUDA graph and warmup's 3 runs.
+3. steps        an AR step and a full-depth step (draft + verify D + 1 = 16 tokens per row) at B = 1 and
+                16 (--batch-sizes), in the engine's own loop (Engine.start) on B random 128-token prompts:
+                2 untimed steps, 10 timed one by one (the median), 3 under CUDA's sync debug mode (host
+                syncs per step), 3 under torch.profiler (kernels). Each against its floor, the bytes a
+                step must read at least:
+                  floor bytes (AR)   = W_target + KV(target)
+                  floor bytes (full) = W_target + KV(target) + W_drafter + W_head + KV(drafter)
+                  W_target   every target weight but the embedding table (a step gathers B rows of it)
+                  W_drafter  the drafter's own weights (fc, its layers, norms)
+                  W_head     the target's lm_head, which the draft reads again (its logits over the block)
+                  KV(model)  2 x layers x kv_heads x head_dim x bytes per element x B x S, S the cache
+                             positions attention reads: all of them compiled (static shapes); eager,
+                             the first step's span (a lower bound: later spans are longer)
+                  floor seconds = floor bytes / bandwidth;  ratio = floor seconds / measured seconds
+                             (1: the step runs at the machine's copy bandwidth)
+4. kernels      torch.profiler (CPU and CUDA activity) around those 3 steps, grouped by kernel name: the
+                15 with the most time (microseconds, runs per step, share of the step's wall time), all
+                kernels' time and the CPU side's time per step (the self time of every CPU-side event:
+                ops, CUDA runtime calls, the waits in them). On a CPU (--tiny) the profiler sees no
+                device: the table lists the ops by self CPU time.
+Planned seconds: bandwidth 5, cold 210, warm 90, steps 160, slack 15 (480). A guess: no 36-layer graph has
+been compiled on a GPU yet (8 layers took ~20 s a graph on an H200, ~7 graphs a bucket here). Each part
+gets its plan's share of the time left (one that ends early leaves its time to the next); a child is
+killed at its limit and keeps what it wrote (the graphs it finished); a step starts only if its graphs,
+at the cold seconds per graph seen so far, end before the deadline.
+
 Exit status: 0 when every test passed and every part ran, 1 otherwise, 2 for a usage error (no CUDA
-device, bad arguments).
+device, bad arguments). A part cut short for time is reported, not counted as failed.
 """
 
 from __future__ import annotations
@@ -109,6 +152,19 @@ MODES = {
 }
 
 
+# --first-hour (the module docstring, "The first hour"): the dense model only; layers None: all of them.
+# steps: per (batch size, kind) untimed, timed, sync-counted and profiled steps, in that order.
+FIRST_HOUR = {
+    "real": dict(batch_sizes=[1, 16], layers=None, first_token_batch=32, first_token_prompt_len=64,
+                 first_token_new_tokens=64, prompt_len=128, steps=dict(warm=2, timed=10, synced=3, profiled=3),
+                 copy_bytes=2 ** 30, plan_s=dict(bandwidth=5, cold=210, warm=90, steps=160, slack=15)),
+    "tiny": dict(batch_sizes=[1, 2], layers=None, first_token_batch=4, first_token_prompt_len=8,
+                 first_token_new_tokens=8, prompt_len=8, steps=dict(warm=2, timed=5, synced=2, profiled=2),
+                 copy_bytes=2 ** 24, plan_s=dict(bandwidth=5, cold=40, warm=40, steps=30, slack=5)),
+}
+TOP_KERNELS = 15
+
+
 class OutOfTime(Exception):
     """The deadline of a part passed."""
 
@@ -124,11 +180,18 @@ def parse_args(argv=None):
                    help="target layers: a number, or 'full' for 36 (dense) and 48 (moe) (default: 8)")
     p.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe (default: %(default)s)")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m cuda")
+    p.add_argument("--first-hour", action="store_true",
+                   help="only this: the dense model at full depth, seconds to the first token at B = 32 with an "
+                        "empty and a warm compile cache, AR and full-depth steps at B = 1, 16 against the copy "
+                        "bandwidth, their kernels and host syncs (at most ~8 minutes)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="deadline of the whole run in seconds (default: the mode's plan, 1760 / 760)")
     # For the CPU test of this tool only: tiny models, eager, on the CPU.
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    # The child process of --first-hour's part 2 (first_token_run): its record goes to --out.
+    p.add_argument("--first-token-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--started-at", type=float, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -149,28 +212,39 @@ def check_args(args) -> dict:
             raise cli.UserError(f"unknown device {args.device!r}") from None
         if device.type != "cuda":
             raise cli.UserError(f"--device {args.device}: a CUDA device is needed")
-    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
-    s = dict(MODES[mode], mode=mode, device=args.device, compile=not args.tiny,
+    if args.first_hour and args.quick:
+        raise cli.UserError("--first-hour is a run of its own: leave out --quick")
+    if args.first_token_child and (not args.first_hour or args.started_at is None):
+        raise cli.UserError("--first-token-child is started by --first-hour, with --started-at")
+    if args.first_hour:
+        mode, base = "first-hour", FIRST_HOUR["tiny" if args.tiny else "real"]
+    else:
+        mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+        base = MODES[mode]
+    s = dict(base, mode=mode, tiny=args.tiny, device=args.device, compile=not args.tiny,
              dtype="float32" if args.tiny else "bfloat16")
     if args.batch_sizes:
         s["batch_sizes"] = cli.parse_batch_sizes(args.batch_sizes)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or any(m not in REAL for m in models):
         raise cli.UserError(f"--models {args.models!r}: choose from {', '.join(REAL)}")
-    s["models"] = models
+    s["models"] = ["dense"] if args.first_hour else models
     if args.layers is not None:
         if args.tiny:
             raise cli.UserError("--layers does not apply to --tiny")
         if args.layers != "full" and not (args.layers.isdigit() and int(args.layers) >= 1):
             raise cli.UserError(f"--layers must be a positive number or 'full', got {args.layers!r}")
         s["layers"] = None if args.layers == "full" else int(args.layers)
-        depth = min(REAL[m]["num_hidden_layers"] for m in models)
+        depth = min(REAL[m]["num_hidden_layers"] for m in s["models"])
         if s["layers"] is not None and s["layers"] > depth:
             raise cli.UserError(f"--layers {s['layers']}: the models have {depth} layers or fewer")
     if args.budget_s is not None and args.budget_s <= 0:
         raise cli.UserError(f"--budget-s must be > 0, got {args.budget_s}")
-    s["run_tests"] = not args.skip_tests
-    s["budget_s"] = args.budget_s or (s["tests_s"] * s["run_tests"] + s["models_s"] * len(models) / 2 + 20)
+    s["run_tests"] = not args.skip_tests and not args.first_hour
+    if args.first_hour:
+        s["budget_s"] = args.budget_s or sum(s["plan_s"].values())
+    else:
+        s["budget_s"] = args.budget_s or (s["tests_s"] * s["run_tests"] + s["models_s"] * len(models) / 2 + 20)
     cli.check_writable(args.out, "--out")
     return s
 
@@ -506,6 +580,20 @@ def parse_junit(path: Path) -> dict:
             "errors": n["errors"], "skipped": n["skipped"], "total": n["tests"], "failures": failed}
 
 
+def run_killable(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[str, int, bool]:
+    """Run cmd from the repo root in its own process group, killed whole at timeout_s:
+    (its output, stdout and stderr together; its return code; whether it was killed)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+    try:
+        output, _ = proc.communicate(timeout=max(timeout_s, 0.1))
+        return output, proc.returncode, False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return output, proc.returncode, True
+
+
 def run_cuda_tests(timeout_s: float) -> dict:
     """`pytest -m cuda` on tests/test_cuda.py and tests/test_moe.py in a subprocess (its own process
     group, killed whole on timeout): counts, failures, seconds and the tail of its output."""
@@ -513,18 +601,10 @@ def run_cuda_tests(timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as d:
         junit = Path(d) / "junit.xml"
         cmd = pytest_command(junit)
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=max(timeout_s, 1))
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            timed_out = True
+        output, returncode, timed_out = run_killable(cmd, max(timeout_s, 1))
         result = parse_junit(junit) if junit.is_file() else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0,
                                                               "total": 0, "failures": []}
-    result.update(command="python " + " ".join(cmd[1:]), returncode=proc.returncode, timed_out=timed_out,
+    result.update(command="python " + " ".join(cmd[1:]), returncode=returncode, timed_out=timed_out,
                   seconds=time.perf_counter() - t0, output_tail=output[-4000:])
     return result
 
