@@ -72,11 +72,14 @@ Qwen3-8B's full shape (36 layers; --layers cuts it), bf16, random weights, in on
                 kernels' time and the CPU side's time per step (the self time of every CPU-side event:
                 ops, CUDA runtime calls, the waits in them). On a CPU (--tiny) the profiler sees no
                 device: the table lists the ops by self CPU time.
+Parts 1, 3 and 4 run in this process, part 3's model built once the children have ended (its graphs
+compile into compile_cache/inductor, as runtime.setup sets it). Graphs compiled: 7 per first-token child
+(bucket 32: the AR step, the draft, a verify graph per K), 1 per AR step and 2 per full-depth step.
 Planned seconds: bandwidth 5, cold 210, warm 90, steps 160, slack 15 (480). A guess: no 36-layer graph has
-been compiled on a GPU yet (8 layers took ~20 s a graph on an H200, ~7 graphs a bucket here). Each part
-gets its plan's share of the time left (one that ends early leaves its time to the next); a child is
-killed at its limit and keeps what it wrote (the graphs it finished); a step starts only if its graphs,
-at the cold seconds per graph seen so far, end before the deadline.
+been compiled on a GPU yet (8 layers took ~20 s a graph on an H200). Each part gets its plan's share of
+the time left (one that ends early leaves its time to the next); a child is killed at its limit and keeps
+what it wrote (the graphs it finished); a step starts only if its graphs, at the cold seconds per graph
+seen so far, end before the deadline.
 
 Exit status: 0 when every test passed and every part ran, 1 otherwise, 2 for a usage error (no CUDA
 device, bad arguments). A part cut short for time is reported, not counted as failed.
@@ -89,6 +92,7 @@ import contextlib
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import signal
@@ -108,6 +112,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity  # noqa: E402
 
 from minidcut import cli, runtime  # noqa: E402
 from minidcut.api import build_policy  # noqa: E402
@@ -175,9 +181,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python tools/gpu_check.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu_report.json", help="the JSON report (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="batch size 16 only, shorter runs (at most ~13 minutes)")
-    p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,16,64; --quick: 16)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="comma-separated (default: 1,16,64; --quick: 16; --first-hour: 1,16)")
     p.add_argument("--layers", default=None,
-                   help="target layers: a number, or 'full' for 36 (dense) and 48 (moe) (default: 8)")
+                   help="target layers: a number, or 'full' for 36 (dense) and 48 (moe) "
+                        "(default: 8; --first-hour: all)")
     p.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe (default: %(default)s)")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m cuda")
     p.add_argument("--first-hour", action="store_true",
@@ -185,7 +193,7 @@ def parse_args(argv=None):
                         "empty and a warm compile cache, AR and full-depth steps at B = 1, 16 against the copy "
                         "bandwidth, their kernels and host syncs (at most ~8 minutes)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="deadline of the whole run in seconds (default: the mode's plan, 1760 / 760)")
+                   help="deadline of the whole run in seconds (default: the mode's plan, 1760 / 760 / 480)")
     # For the CPU test of this tool only: tiny models, eager, on the CPU.
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -609,6 +617,355 @@ def run_cuda_tests(timeout_s: float) -> dict:
     return result
 
 
+# ---- the first hour -------------------------------------------------------------------------------
+
+class CompileLog:
+    """An engine's on_compile: the graphs it compiled, each with its seconds from Graphs.get announcing
+    it (its first call then compiles it) to the next announcement or close(): compiling, recording its
+    CUDA graph and warmup's runs of it. on_change() after each announcement."""
+
+    def __init__(self, on_change=lambda: None):
+        self.graphs: list[dict] = []  # {"graph": message, "seconds": None while it is the latest}
+        self.on_change, self.started = on_change, None
+
+    def __call__(self, message: str) -> None:
+        self.close()
+        self.graphs.append({"graph": message, "seconds": None})
+        self.started = time.perf_counter()
+        self.on_change()
+
+    def close(self) -> None:
+        """The latest graph is done."""
+        if self.started is not None:
+            self.graphs[-1]["seconds"] = time.perf_counter() - self.started
+            self.started = None
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device, nbytes: int, copies: int = 5, rounds: int = 5) -> dict:
+    """Part 1: bytes read + written per second by dst.copy_(src) of nbytes on the device, the best of
+    `rounds` rounds of `copies` copies."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # allocated and touched before timing
+    runs = []
+    for _ in range(rounds):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(copies):
+            dst.copy_(src)
+        synchronize(device)
+        runs.append((time.perf_counter() - t0) / copies)
+    del src, dst
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return {"bytes": nbytes, "seconds_per_copy": min(runs), "seconds_runs": runs,
+            "bytes_per_second": 2 * nbytes / min(runs)}
+
+
+def first_token_record(B: int) -> dict:
+    """What a first-token child reports (None: not reached)."""
+    return {"batch_size": B, "compile_cache": None, "phases": {}, "graphs": [], "graphs_after_warmup": None,
+            "cli_graphs": None, "compile_seconds": None, "measure_row_seconds": None, "first_token_seconds": None,
+            "first_step": None, "cost_row": None}
+
+
+def first_token_child(s: dict, out, started_at: float) -> int:
+    """The --first-token-child process of part 2: a new user's first dcut run at B = first_token_batch
+    (the module docstring says what it does, and what it leaves out), timed from started_at (the parent's
+    clock when it started this process) to the first committed token. Writes its record to `out` after
+    each phase and each graph announced, so a child killed at its limit leaves what it got."""
+    B, device, dtype = s["first_token_batch"], torch.device(s["device"]), getattr(torch, s["dtype"])
+    rec = dict(first_token_record(B), compile_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    phases = rec["phases"]  # seconds of each phase, in order
+
+    def save():
+        write_report(rec, out)
+
+    phases["start"] = time.time() - started_at  # the interpreter, imports, arguments, runtime.setup
+    save()
+    t0 = time.perf_counter()
+    tcfg = target_config("dense", s["layers"], s["tiny"])
+    target = build_target(tcfg, dtype, device)
+    drafter = build_drafter(drafter_config(tcfg), target, dtype, device)
+    phases["build"] = time.perf_counter() - t0
+    save()
+    t0 = time.perf_counter()
+    prompts = random_prompts(B, s["first_token_prompt_len"], tcfg["vocab_size"])
+    new_tokens = s["first_token_new_tokens"]
+    max_seq = cli.max_seq(prompts, new_tokens, drafter.block_size, tcfg["max_position_embeddings"], s["compile"])
+    table = CostTable([], list(DEFAULT_GRID), [])  # load_table's table when none is on file for the fingerprint
+    log = CompileLog(save)
+    rec["graphs"] = log.graphs
+    engine = Engine(target, drafter, build_policy("dcut", table=table), batch_size=B, max_seq=max_seq,
+                    compile=s["compile"], on_compile=log)
+    rec["cli_graphs"] = len(engine.reachable(B))  # generate's warmup: every bucket up to B
+    if engine.compile:
+        engine.warmup(B, min_batch=B)
+    log.close()
+    runtime.freeze_heap()
+    warm = len(engine.runner.graphs.graphs)
+    phases["warmup"] = time.perf_counter() - t0  # the engine (its caches) and Engine.warmup
+    rec["compile_seconds"] = compile_seconds()
+    save()
+    t0 = time.perf_counter()
+    _, stats, steps = engine.start(prompts, new_tokens)
+    first = next(steps)  # the prefill, the cost row of bucket B measured on the live rows, the step
+    rec["first_token_seconds"] = time.time() - started_at
+    log.close()
+    phases["first_step"] = time.perf_counter() - t0
+    rec.update(measure_row_seconds=stats.seconds["profile"], compile_seconds=compile_seconds(),
+               graphs_after_warmup=len(engine.runner.graphs.graphs) - warm,
+               first_step={"bucket": first.bucket, "n_live": first.n_live, "drafted": first.drafted, "rho": first.rho})
+    row = engine.policy.table.row(B, engine.policy.rhos)
+    rec["cost_row"] = [None if math.isinf(x) else x for x in row] if row is not None else None
+    save()
+    return 0
+
+
+def first_token_run(s: dict, cache: Path, record: Path, limit_s: float) -> dict:
+    """One child process of part 2 (first_token_child) with its compile cache under `cache`
+    (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: empty for the cold run, the cold run's for the warm
+    one), killed at limit_s: its record as it last wrote it, its return code, whether it was killed, wall
+    seconds and the tail of its output."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+    cmd = [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--first-hour", "--first-token-child",
+           "--out", str(record), "--device", s["device"]] + (["--tiny"] if s["tiny"] else []) \
+        + (["--layers", str(s["layers"])] if s["layers"] is not None else [])
+    t0 = time.perf_counter()
+    output, returncode, timed_out = run_killable(cmd + ["--started-at", repr(time.time())], limit_s, env)
+    rec = first_token_record(s["first_token_batch"])
+    if record.is_file():
+        rec.update(json.loads(record.read_text()))
+    return dict(rec, returncode=returncode, timed_out=timed_out, seconds=time.perf_counter() - t0,
+                output_tail=output[-3000:])
+
+
+def step_floor(target, drafter, B: int, positions: int, bandwidth: float) -> dict:
+    """The bytes a step at B rows must read at least (the module docstring's formulas: without a
+    drafter an AR step's, with one a full-depth step's), and their seconds at `bandwidth` bytes/s.
+    positions: the cache positions the step's attention reads."""
+    def nbytes(tensors) -> int:
+        return sum(x.numel() * x.element_size() for x in tensors)
+
+    def kv(cfg, element_size: int) -> int:  # K and V of every layer, per row and position
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
+
+    emb = target.model.embed_tokens.weight
+    tied = emb.data_ptr() == target.lm_head.weight.data_ptr()
+    parts = {"target_weights": nbytes(target.parameters()) - (0 if tied else nbytes([emb])),
+             "target_kv": kv(target.cfg, emb.element_size()) * B * positions}
+    if drafter is not None:
+        parts["drafter_weights"] = nbytes(drafter.parameters())
+        parts["drafter_head"] = nbytes([drafter.head])
+        parts["drafter_kv"] = kv(drafter.cfg.layers, drafter.norm.weight.element_size()) * B * positions
+    total = sum(parts.values())
+    return {"bytes": parts, "total_bytes": total, "positions": positions, "seconds": total / bandwidth}
+
+
+def kernel_table(events, n_steps: int, wall_s: float, on_device: bool, top: int = TOP_KERNELS) -> dict:
+    """Profiler events grouped by name (key_averages) -> per step: the `top` kernels by time (total
+    microseconds, per step, runs per step, share of the step's wall time), all kernels' time and share,
+    and the CPU side's time (the self time of every CPU-side event) with its 5 largest. On a CPU the
+    kernels are the ops (their self CPU time): the profiler has no device activity there."""
+    kind = DeviceType.CUDA if on_device else DeviceType.CPU
+
+    def kernel_us(e) -> float:
+        return e.self_device_time_total if on_device else e.self_cpu_time_total
+
+    kernels = sorted(((e.key, kernel_us(e), e.count) for e in events
+                      if e.device_type == kind and not e.is_user_annotation and kernel_us(e) > 0), key=lambda k: -k[1])
+    cpu = sorted(((e.key, e.self_cpu_time_total) for e in events if e.device_type == DeviceType.CPU),
+                 key=lambda c: -c[1])
+    step_us = wall_s * 1e6 / n_steps
+    total = sum(us for _, us, _ in kernels)
+    return {"activity": "cuda" if on_device else "cpu", "steps": n_steps, "step_us": step_us,
+            "kernel_us_per_step": total / n_steps, "kernel_share": total / n_steps / step_us,
+            "distinct_kernels": len(kernels), "cpu_us_per_step": sum(us for _, us in cpu) / n_steps,
+            "kernels": [{"name": name[:200], "us": us, "us_per_step": us / n_steps, "count_per_step": count / n_steps,
+                         "share": us / n_steps / step_us} for name, us, count in kernels[:top]],
+            "cpu_top": [{"name": name[:200], "us_per_step": us / n_steps} for name, us in cpu[:5]]}
+
+
+def profile_steps(step, n: int, device) -> dict:
+    """torch.profiler (CPU activity, and CUDA's on a GPU) around n calls of step(): kernel_table of them."""
+    on_device = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        wall = time.perf_counter() - t0
+    return kernel_table(prof.key_averages(), n, wall, on_device)
+
+
+def measure_steps(engine, prompts: list[list[int]], counts: dict, max_new: int) -> dict:
+    """Steps of the engine's own loop (Engine.start) on these prompts: counts['warm'] untimed (the
+    prefill and first steps), counts['timed'] timed one by one (their median), counts['synced'] under
+    count_syncs, counts['profiled'] under torch.profiler. A step ends with its tokens copied to the host,
+    so its wall time covers its device work."""
+    _, _, steps = engine.start(prompts, max_new)
+    records, seconds = [], []
+
+    def step():
+        records.append(next(steps))
+
+    for _ in range(counts["warm"]):
+        step()
+    for _ in range(counts["timed"]):
+        t0 = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - t0)
+    with count_syncs(engine.device) as syncs:
+        for _ in range(counts["synced"]):
+            step()
+    try:
+        profile = profile_steps(step, counts["profiled"], engine.device)
+    except Exception as e:  # noqa: BLE001 (the profiler failing costs the kernels, not the timings)
+        profile = {"error": error_record(e), "kernels": []}
+    return {"seconds_per_step": statistics.median(seconds), "seconds_runs": seconds,
+            "syncs_per_step": len(syncs) / counts["synced"] if syncs is not None else None,
+            "steps": len(records), "drafting_steps": sum(r.drafted for r in records),
+            "buckets": sorted({r.bucket for r in records}), "live_rows": sorted({r.n_live for r in records}),
+            "profile": profile}
+
+
+STEP_KINDS = {"ar": Policy.ar, "full": Policy.full}  # an AR step; a draft and every draft verified (16 tokens a row)
+
+
+def step_record(engine, kind: str, B: int, prompts: list[list[int]], s: dict, max_new: int, bandwidth: float,
+                compile_log: CompileLog) -> dict:
+    """One batch size and kind of part 3: bucket B's graphs warmed up (compile_log: the engine's
+    on_compile), measure_steps, and the floor of such a step."""
+    t0, c0 = time.perf_counter(), compile_seconds()
+    if engine.compile:
+        engine.warmup(B, min_batch=B)
+    compile_log.close()
+    rec = {"batch_size": B, "kind": kind, "warmup_seconds": time.perf_counter() - t0,
+           "compile_seconds": compile_seconds() - c0, "graphs": compile_log.graphs}
+    warm = len(engine.runner.graphs.graphs)
+    rec.update(measure_steps(engine, prompts, s["steps"], max_new))
+    rec["graphs_after_warmup"] = len(engine.runner.graphs.graphs) - warm
+    positions = engine.runner.span(s["prompt_len"] + 1) or engine.max_seq  # None when compiled: every position
+    rec["floor"] = step_floor(engine.target, engine.drafter, B, positions, bandwidth)
+    rec["floor_ratio"] = rec["floor"]["seconds"] / rec["seconds_per_step"]
+    return rec
+
+
+def first_hour_steps(s: dict, bandwidth: float, deadline: float, log, graph_seconds: list[float],
+                     saved=lambda records, info: None) -> tuple[list[dict], dict]:
+    """Parts 3 and 4: an AR step and a full-depth step at each batch size, each kind in an engine of its
+    own (bucket B only, warmed up first), against its floor at `bandwidth` bytes/s. One starts only if
+    its graphs end before the deadline at the mean of graph_seconds (cold seconds per graph seen so far,
+    this part's own added). saved(records, info) after each."""
+    device, dtype = torch.device(s["device"]), getattr(torch, s["dtype"])
+    tcfg = target_config("dense", s["layers"], s["tiny"])
+    target = build_target(tcfg, dtype, device)
+    drafter = build_drafter(drafter_config(tcfg), target, dtype, device)
+    max_new = drafter.block_size * sum(s["steps"].values()) + 1  # more than the steps can commit: rows stay live
+    max_seq = s["prompt_len"] + max_new + drafter.block_size + 1
+    prompts = random_prompts(max(s["batch_sizes"]), s["prompt_len"], tcfg["vocab_size"])
+    seen, records, info = list(graph_seconds), [], {"max_seq": max_seq, "skipped": [], "errors": {}}
+    for B in s["batch_sizes"]:
+        for kind, policy in STEP_KINDS.items():
+            name = f"{kind} B={B}"
+            try:
+                compile_log = CompileLog()
+                engine = Engine(target, drafter, policy(), batch_size=B, max_seq=max_seq, eos_ids=[],
+                                compile=s["compile"], on_compile=compile_log)
+                per_graph = statistics.mean(seen) if seen and engine.compile else 0.0
+                if time.perf_counter() + per_graph * len(engine.reachable(B, B)) > deadline:
+                    info["skipped"].append(name)
+                    continue
+                log(f"steps: {name}")
+                records.append(step_record(engine, kind, B, prompts[:B], s, max_new, bandwidth, compile_log))
+                seen += [g["seconds"] for g in records[-1]["graphs"]]
+            except Exception as e:  # noqa: BLE001 (reported, the next one runs)
+                info["errors"][name] = error_record(e)
+            saved(records, info)
+    return records, info
+
+
+FIRST_HOUR_PARTS = ("bandwidth", "cold", "warm", "steps")
+
+
+def run_first_hour(s: dict, deadline: float, log, saved=lambda out: None) -> dict:
+    """The first hour's parts in order (the module docstring), each given its plan's share of the time
+    left (the slack kept back); saved(the dict so far) after each part and each step measured."""
+    plan = s["plan_s"]
+    out = {"plan_seconds": plan, "bandwidth": None, "first_token": {"cold": None, "warm": None}, "steps": [],
+           "steps_info": None, "error": None}
+
+    def limit(part: str) -> float:
+        rest = FIRST_HOUR_PARTS[FIRST_HOUR_PARTS.index(part):]
+        return (deadline - time.perf_counter()) * plan[part] / (sum(plan[p] for p in rest) + plan["slack"])
+
+    def on_steps(records, info):
+        out["steps"], out["steps_info"] = records, info
+        saved(out)
+
+    try:
+        out["bandwidth"] = copy_bandwidth(s["device"], s["copy_bytes"])
+        saved(out)
+        with tempfile.TemporaryDirectory(prefix="gpu_check_first_hour_") as d:
+            for run in ("cold", "warm"):  # the warm run starts from the cache the cold one left
+                log(f"first token at B={s['first_token_batch']}, {run} compile cache (at most {limit(run):.0f} s)")
+                out["first_token"][run] = first_token_run(s, Path(d) / "cache", Path(d) / f"{run}.json", limit(run))
+                saved(out)
+        cold = [g["seconds"] for g in out["first_token"]["cold"]["graphs"] if g["seconds"] is not None]
+        log(f"steps at B = {', '.join(map(str, s['batch_sizes']))} (at most {limit('steps'):.0f} s)")
+        out["steps"], out["steps_info"] = first_hour_steps(s, out["bandwidth"]["bytes_per_second"],
+                                                           time.perf_counter() + limit("steps"), log, cold, on_steps)
+    except Exception as e:  # noqa: BLE001 (e.g. out of memory while building: the report still gets written)
+        out["error"] = error_record(e)
+    try:
+        release_memory()
+    except Exception as e:  # noqa: BLE001
+        out["error"] = out["error"] or error_record(e)
+    return out
+
+
+def first_hour_lines(fh: dict) -> list[str]:
+    """The summary's lines for the first hour."""
+    lines = []
+    if fh["error"]:
+        lines.append(f"first hour error {fh['error']['type']}: {fh['error']['message'][:160]}")
+    bw = fh["bandwidth"]
+    if bw:
+        lines.append(f"copy bandwidth {bw['bytes_per_second'] / 1e9:.1f} GB/s "
+                     f"(copies of {bw['bytes'] / 2 ** 20:.0f} MiB)")
+    for run, r in fh["first_token"].items():
+        if r is None:
+            continue
+        done = [g["seconds"] for g in r["graphs"] if g["seconds"] is not None]
+        graphs = f"{len(done)} graphs, {statistics.mean(done):.1f} s each" if done else "no graph compiled"
+        ended = "killed at its limit" if r["timed_out"] else f"exit status {r['returncode']}"
+        got = f"{r['first_token_seconds']:.1f} s" if r["first_token_seconds"] is not None else \
+            f"none after {r['seconds']:.0f} s ({ended})"
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in r["phases"].items())
+        lines.append(f"first token at B={r['batch_size']}, {run} compile cache: {got}")
+        lines.append(f"  {phases}; {graphs} (generate's warmup: {r['cli_graphs']} graphs)")
+    for rec in fh["steps"]:
+        f, kernels = rec["floor"], rec["profile"]["kernels"]
+        if "error" in rec["profile"]:
+            e = rec["profile"]["error"]
+            lines.append(f"  B={rec['batch_size']} {rec['kind']} profiler error {e['type']}: {e['message'][:120]}")
+        lines.append(f"  B={rec['batch_size']:<3} {rec['kind']:<4} {rec['seconds_per_step'] * 1e3:8.2f} ms/step, floor "
+                     f"{f['seconds'] * 1e3:.2f} ms ({f['total_bytes'] / 1e9:.2f} GB): "
+                     f"{100 * rec['floor_ratio']:.0f}% of the limit"
+                     + (f", host syncs/step {rec['syncs_per_step']:.2f}" if rec["syncs_per_step"] is not None else "")
+                     + (f", top kernel {100 * kernels[0]['share']:.0f}%: {kernels[0]['name'][:60]}" if kernels else ""))
+    info = fh["steps_info"] or {}
+    lines += [f"  steps {name} error {e['type']}: {e['message'][:160]}" for name, e in info.get("errors", {}).items()]
+    if info.get("skipped"):
+        lines.append(f"  skipped for time: {', '.join(info['skipped'])}")
+    return lines
+
+
 # ---- the report -----------------------------------------------------------------------------------
 
 def environment(device) -> dict:
@@ -640,11 +997,15 @@ NOTES = [
 ]
 
 
-def assemble_report(settings: dict, env: dict, tests: dict | None, models: dict, wall: dict, argv: list[str]) -> dict:
+def assemble_report(settings: dict, env: dict, tests: dict | None, models: dict, wall: dict, argv: list[str],
+                    first_hour: dict | None = None) -> dict:
     """The JSON report: settings, environment, the test summary, per model its cost table, bench records
-    and summary, and wall seconds per part."""
-    return {"tool": "tools/gpu_check.py", "argv": argv, "mode": settings["mode"], "settings": settings,
-            "environment": env, "tests": tests, "models": models, "wall_seconds": wall, "notes": NOTES}
+    and summary, and wall seconds per part; with --first-hour, that part's results under first_hour."""
+    report = {"tool": "tools/gpu_check.py", "argv": argv, "mode": settings["mode"], "settings": settings,
+              "environment": env, "tests": tests, "models": models, "wall_seconds": wall, "notes": NOTES}
+    if first_hour is not None:
+        report["first_hour"] = first_hour
+    return report
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -653,7 +1014,9 @@ def summary_lines(report: dict) -> list[str]:
     env, lines = report["environment"], []
     lines.append(f"{env['device']} | torch {env['torch']} | CUDA {env['cuda']} | mode {report['mode']}")
     t = report["tests"]
-    if t is None:
+    if "first_hour" in report:
+        lines += first_hour_lines(report["first_hour"])
+    elif t is None:
         lines.append("tests: not run")
     else:
         lines.append(f"tests: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
@@ -705,6 +1068,11 @@ def failed(report: dict) -> bool:
     for m in report["models"].values():
         if m["error"] or (m.get("profile") or {}).get("error") or (m.get("bench_info") or {}).get("errors"):
             return True
+    fh = report.get("first_hour")
+    if fh is not None:
+        crashed = [r for r in fh["first_token"].values() if r is not None and r["returncode"] and not r["timed_out"]]
+        profiler = [r for r in fh["steps"] if "error" in r["profile"]]
+        return bool(fh["error"] or crashed or profiler or (fh["steps_info"] or {}).get("errors"))
     return False
 
 
@@ -714,24 +1082,35 @@ def run(args, console: Console) -> int:
     deadline = start + s["budget_s"]
     runtime.setup()
     torch.manual_seed(0)
+    if args.first_token_child:
+        return first_token_child(s, args.out, args.started_at)
     env = environment(s["device"])
-    wall, tests, models = {}, None, {}
+    wall, tests, models, first_hour = {}, None, {}, None
 
     def save():  # after every part, so a run killed from outside keeps what it finished
         wall["total"] = time.perf_counter() - start
-        report = assemble_report(s, env, tests, models, wall, args.argv)
+        report = assemble_report(s, env, tests, models, wall, args.argv, first_hour)
         return report, write_report(report, args.out)
 
     def save_model(kind, out):  # what a model part has measured so far
         models[kind] = out
         save()
 
+    def save_first_hour(out):  # what the first hour has measured so far
+        nonlocal first_hour
+        first_hour = out
+        save()
+
+    if s["mode"] == "first-hour":  # a run of its own: no tests, no models part
+        console.print(f"the first hour: dense, {s['layers'] or 'all'} layers (until {s['budget_s']:.0f} s from now)")
+        save_first_hour(run_first_hour(s, deadline, lambda msg: console.print(f"  {msg}"), save_first_hour))
+        wall["first_hour"] = time.perf_counter() - start
     if s["run_tests"]:
         console.print(f"running python {' '.join(pytest_command(Path('junit.xml'))[1:])}")
         tests = run_cuda_tests(min(s["tests_s"], deadline - time.perf_counter()))
         wall["tests"] = tests["seconds"]
         save()
-    for i, kind in enumerate(s["models"]):
+    for i, kind in enumerate(s["models"] if s["mode"] != "first-hour" else []):
         t0 = time.perf_counter()
         share = (deadline - t0) / (len(s["models"]) - i)  # what is left, split between the models left
         console.print(f"{kind}: building, profiling, benching (until {share:.0f} s from now)")
