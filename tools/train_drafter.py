@@ -331,7 +331,8 @@ def drafter_loss(drafter, target, head, seqs, feats, labels, starts, lens, args,
     valid = idx <= (lens.to(dev) - 2)[:, None, None]  # [N, A, D]: a label exists there
     y = labels.gather(1, idx.clamp(max=labels.shape[1] - 1).view(N, -1)).view_as(idx)
     w = torch.exp(-torch.arange(S, dtype=torch.float32, device=dev) / args.decay) * valid  # [N, A, S]
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
+    where = hidden.device.type  # the lm_head matmul in the autocast dtype where autocast is on (cpu or cuda)
+    dtype = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else hidden.dtype
     total, hits = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]).to(dtype),
                                            head, y.flatten(), w.flatten())
     loss = total / w.sum()
