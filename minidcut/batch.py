@@ -72,6 +72,7 @@ class Batch:
     ahead: Ahead | None = None  # the next step's draft, made by this step
     prompt_context: float = 0.0  # seconds prefills spent on the drafter's context of prompts, not yet
     #                              charged to a drafting step (Engine.record)
+    admitted: int = 0  # requests admitted since the last step's record (Engine.record)
 
     @classmethod
     def empty(cls, rows: int, device) -> "Batch":

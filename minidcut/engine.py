@@ -30,7 +30,7 @@ import torch
 
 from . import profiler
 from .batch import Batch, Request, batch_buckets
-from .graphs import Draft
+from .graphs import REPLAYED, Draft
 from .layers import is_packed
 from .model import Transformer
 from .policy import Policy, StepPlan, StepRecord
@@ -104,6 +104,7 @@ class Engine:
         moved = self.compact(batch) if not pending else []  # a draining batch moves down a bucket
         b = self.bucket_for(batch.live[-1] + 1)
         moved = self.measure_missing_row(batch, b, moved, stats, clock)  # a first step at b without costs
+        cold = self.runner.graphs.cold_calls
         plan = self.plan(batch, b)  # draft or not; the costs and gain scale rho* is chosen with
         draft = batch.take_ahead(b, use=plan.draft)  # drafted by the previous step, if still valid
         sent = self.runner.send(batch, b, plan if plan.draft else None, moved)  # the step's one copy in
@@ -115,6 +116,7 @@ class Engine:
         clock.mark("verify")
         commit, n_commit, kept, clock.ahead = self.runner.verify(batch, b, draft, K, ahead=plan.draft and plan.ahead)
         clock.mark("commit")
+        clock.cold = self.runner.graphs.cold_calls > cold  # compiled on first use: not a step's seconds
         rows = batch.live
         self.commit(batch, commit, n_commit, draft, stats, on_finish)  # tokens to requests; finished leave
         rec = self.record(rows, b, plan, draft, K, n_commit, sent, clock, fresh and plan.ahead, batch)
@@ -131,6 +133,7 @@ class Engine:
         if free:
             t0 = time.perf_counter()
             new = [pending.popleft() for _ in free]
+            batch.admitted += len(new)
             # Where drafting is off the drafter's context of the prompts waits, like skipped steps'.
             write = not self.policy.drafting_off(self.bucket_for(max(batch.live + free) + 1))
             first = self.runner.prefill(free, new, batch, write).tolist()
@@ -167,13 +170,14 @@ class Engine:
         """The step as it ran over the live rows `rows`, for the policy and the stats. A drafting step
         takes the seconds prefills spent on the drafter's context of prompts since the last one."""
         prompt_context, batch.prompt_context = (batch.prompt_context, 0.0) if plan.draft else (0.0, batch.prompt_context)
+        admitted, batch.admitted = batch.admitted, 0
         seconds = clock.step_seconds(redrafted)
         return StepRecord(bucket=b, n_live=len(rows), drafted=plan.draft,
                           rho=self.policy.rhos[draft.rho_index] if K else 0.0,
                           predicted=draft.predicted if plan.draft else 0.0,
                           accepted=int(n_commit[rows].sum()) - len(rows), seconds=seconds, catchup=sent.catchup_seconds,
                           caught_up=sent.caught_up, redraft=clock.redraft, usable=plan.usable,
-                          prompt_context=prompt_context)
+                          prompt_context=prompt_context, admitted=admitted)
 
     def commit(self, batch: Batch, commit, n_commit, draft: Draft | None, stats: Stats, on_finish) -> None:
         """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus)."""
@@ -236,7 +240,7 @@ class Engine:
         return keys
 
     @torch.inference_mode()
-    def warmup(self, max_batch: int | None = None, calls: int = 3, min_batch: int = 1) -> float:
+    def warmup(self, max_batch: int | None = None, calls: int = REPLAYED, min_batch: int = 1) -> float:
         """Run every graph reachable at buckets in [min_batch, max_batch] (default: all) `calls` times on
         empty rows, so that a compiled one is compiled, recorded as a CUDA graph and replayed before any
         step is timed (reduce-overhead records on its second run), and the catch-up once (its eager

@@ -28,6 +28,8 @@ from .dcut import budget, select
 from .model import causal_layout
 from .policy import StepPlan
 from .runtime import COMPILE_CACHE
+
+REPLAYED = 3  # runs after which a compiled graph is compiled, recorded (reduce-overhead) and replayed
 from .sampling import accept, sample, sample_keys
 
 
@@ -84,6 +86,7 @@ class Graphs:
         self.compile, self.on_compile = compile, on_compile  # on_compile(message) before a graph compiles
         self.graphs: dict[tuple, callable] = {}
         self.calls: collections.Counter = collections.Counter()  # runs of each graph (warmup checks)
+        self.cold_calls = 0  # runs of compiled graphs not yet warm (counted)
         self.record = COMPILE_CACHE / "graph_seconds.json"  # seconds a graph took to compile here, by machine and models
 
     def signature(self) -> str:
@@ -133,10 +136,18 @@ class Graphs:
         return self.graphs[key]
 
     def counted(self, key: tuple, fn):
-        """fn, counting its runs in self.calls[key]. The optional span is always passed (None if not
-        given): a compiled graph called with another number of arguments would compile again."""
+        """fn, counting its runs in self.calls[key], and in self.cold_calls a compiled graph's first
+        REPLAYED runs (compiling, recording its CUDA graph, its first replay: no step's time). The
+        optional span is always passed (None if not given): a compiled graph called with another number
+        of arguments would compile again."""
         n = 4 if key[0] == "draft" else 6
-        return lambda *args: (self.calls.update([key]), fn(*args, *[None] * (n - len(args))))[1]
+
+        def run(*args):
+            if self.compile and self.calls[key] < REPLAYED:
+                self.cold_calls += 1
+            self.calls[key] += 1
+            return fn(*args, *[None] * (n - len(args)))
+        return run
 
     def draft(self, anchor, anchor_pos, inputs, span=None):
         """Draft one block per row and run the D-cut selector for every rho of the grid.

@@ -56,6 +56,7 @@ class StepRecord:
     prompt_context: float = 0.0  # seconds prefills spent on the drafter's context of prompts since the last
     #                              drafting step (drafting's cost: an AR run writes no drafter context)
     usable: int | None = None  # drafts the live rows could still emit (Batch.usable; None: not known)
+    admitted: int = 0  # requests admitted since the previous step (the first step: all its rows')
     timed: bool = False  # a profiler's timed step (profiler.measure_row): rows that do not advance, so its
     #                      repeats are one state, not independent samples: calibration learns from it, the
     #                      skip decision does not

@@ -28,9 +28,9 @@ import torch
 
 from .batch import Request
 from .cost_model import CostTable
+from .graphs import REPLAYED
 from .policy import StepPlan, StepRecord
 
-REPLAYED = 3  # runs after which a graph is compiled, recorded and replayed (engine.warmup)
 LIVE_SAMPLES, LIVE_SECONDS = 3, 0.2  # measure_live times a cell up to 3 times while that stays under 0.2 s
 
 

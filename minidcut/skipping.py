@@ -9,10 +9,14 @@ explicit state:
              share of live rows. Drafting goes off only when the evidence says, with CONFIDENCE, that
              the mean gain is below zero: the one-sided upper confidence bound of the samples' mean
              (Student's t, the samples weighted by RUN_DECAY per drafting step) lies below zero,
-             after at least `patience` drafting steps.
+             after at least `patience` drafting steps over at least two requests.
   off        AR steps. A probe runs once the AR steps since drafting went off have earned its price.
   probing    one drafting step; its sample joins the evidence, and drafting is on again unless the
              evidence still says, with the same confidence, that drafting loses.
+
+Successive blocks of one request are not independent samples: a prompt the drafter finds hard is hard
+for all of its blocks. So the samples that switch drafting off must come from more than one request:
+at B = 1 a single hard first request cannot switch drafting off for the run.
 
 Drafting is the default and off the decision that needs evidence: a handful of poor first steps on a
 noisy machine (single steps spread 30 % on a 2-core CPU) does not switch it off unless they are
@@ -65,7 +69,7 @@ OVERHEAD_DECAY = 0.995  # drafting's lumps (redraft, catch-up, prompt context) p
 
 MAX_BACKOFF = 6  # the probe period doubles at most this often (64x)
 STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted",
-         "failed_probes", "overhead")  # what is saved
+         "failed_probes", "overhead", "requests")  # what is saved
 
 
 def t_quantile(p: float, df: float) -> float:
@@ -124,6 +128,7 @@ class SkipDrafting:
         self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
         self.failed_probes = 0  # probes in a row that left drafting off (backoff)
         self.overhead = [0.0, 0.0]  # long running [seconds drafting alone paid around its steps, drafting steps]
+        self.requests = 0  # requests the samples came from (live rows of the first, then admissions)
 
     @property
     def cost(self) -> dict[float, float]:
@@ -168,6 +173,7 @@ class SkipDrafting:
         if len(overhead) != 2:
             raise ValueError("skip state: overhead must be [seconds, steps]")
         self.overhead = overhead
+        self.requests = int(saved.get("requests", 2))  # states saved before it decided with more
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:
         """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
@@ -246,6 +252,7 @@ class SkipDrafting:
         if not rec.drafted or rec.timed or rec.usable is not None and not self.pays(self.cost, rec.n_live, rec.usable):
             return  # rows that could not pay even at full acceptance say nothing about drafting here, and
             #         the profiler's timed steps repeat one state of rows that do not advance
+        self.requests = max(self.requests + rec.admitted, rec.n_live)  # the requests the samples came from
         if rec.rho > 0:
             self.accepted = [ACCEPTED_DECAY * self.accepted[0] + rec.accepted,
                              ACCEPTED_DECAY * self.accepted[1] + rec.n_live]
@@ -255,7 +262,7 @@ class SkipDrafting:
         # what it commits: its gain per row is weighted by its share of the batch's rows.
         self.evidence.add(self.gain_over_ar(rec, self.usual_overhead) * rec.n_live / self.B)
         self.drafting_steps += 1
-        if self.state == "drafting" and self.drafting_steps >= self.patience and self.losing:
+        if self.state == "drafting" and self.drafting_steps >= self.patience and self.requests >= 2 and self.losing:
             self.state = "off"
         elif self.state == "probing":
             self.state = "off" if self.losing else "drafting"

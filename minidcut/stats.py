@@ -48,6 +48,7 @@ class StepClock:
     def __init__(self):
         self.marks = {"start": time.perf_counter()}
         self.measuring = self.catchup = self.ahead = self.redraft = 0.0
+        self.cold = False  # the step ran a compiled graph that was not warm yet: its seconds are compiling
 
     def mark(self, phase: str, catchup: float | None = None) -> None:
         """phase 'draft' (the step's inputs sent, with the catch-up's seconds), 'verify' (its draft
@@ -60,13 +61,17 @@ class StepClock:
         """Seconds from the draft on, with one draft: a fresh draft that also drafted ahead ran two, and
         the fresh one (redraft) is the price of rows changing hands, not of this step's budget."""
         self.redraft = self.marks["verify"] - self.marks["draft"] if redrafted else 0.0
-        return time.perf_counter() - self.marks["draft"] - self.redraft
+        return 0.0 if self.cold else time.perf_counter() - self.marks["draft"] - self.redraft  # 0: not measured
 
     def charge(self, stats: "Stats") -> None:
-        """Every second of the step but prefill and measuring into stats.seconds: drafting holds the
+        """Every second of the step but prefill and measuring into stats.seconds (a cold step's all
+        into compile): drafting holds the
         catch-up and the draft made ahead; bookkeeping the plan, staging and row moves before the draft
         and the commit and feedback after the verification."""
         m = self.marks
+        if self.cold:  # a graph compiled or recorded in this step: compile time, not decoding
+            stats.seconds["compile"] += time.perf_counter() - m["start"] - self.measuring
+            return
         before = m["draft"] - m["start"] - self.measuring - self.catchup
         stats.seconds.update(draft=m["verify"] - m["draft"] + self.catchup + self.ahead,
                              verify=m["commit"] - m["verify"] - self.ahead,

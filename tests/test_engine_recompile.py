@@ -228,3 +228,25 @@ def test_warmup_says_how_many_graphs_and_how_long_before_the_first_compile(tiny_
     said.clear()
     first.warmup()  # nothing left to compile: nothing to say
     assert said == []
+
+
+def test_graphs_compiled_on_the_way_are_compiling_time_not_a_steps_time(tiny_pair, fresh_dynamo, eager_backend):
+    """--warmup first: only the first bucket's graphs before the first step. The run compiles the others
+    where it reaches them, still lossless; the steps that compiled, recorded or first replayed a graph
+    count as compiling (stats.seconds["compile"]) and carry no seconds (nothing refines a cost from
+    them). A second run has nothing left to compile."""
+    target, drafter = tiny_pair
+    prompts, ar = prompts_and_ar(target)
+    engine = Engine(target, drafter, Policy.full(), batch_size=B, max_seq=MAX_SEQ, eos_ids=[], compile=True)
+    engine.warmup(B, min_batch=B)
+    assert {b for _, b, _, _ in engine.runner.graphs.graphs} == {B}
+    recs = []
+    outputs, stats = engine.generate(prompts, NEW_TOKENS, on_step=lambda s, r: recs.append(r))
+    assert outputs == ar
+    assert {b for _, b, _, _ in engine.runner.graphs.graphs} == {1, B}  # compiled where the run reached it
+    cold = [r for r in recs if r.seconds == 0.0]
+    assert cold and all(r.bucket == 1 for r in cold) and len(cold) <= 3  # the 1-row bucket's first steps
+    assert stats.seconds["compile"] > 0
+    recs.clear()
+    outputs, stats = engine.generate(prompts, NEW_TOKENS, on_step=lambda s, r: recs.append(r))
+    assert outputs == ar and stats.seconds["compile"] == 0 and all(r.seconds > 0 for r in recs)

@@ -336,6 +336,23 @@ def test_a_draft_made_afresh_counts_against_drafting():
     assert s.evidence.sums[1] == pytest.approx(0.98 * (2 - 2.2) + 2 - 1.6 - s.usual_overhead)
 
 
+def test_one_hard_request_cannot_switch_drafting_off_at_b_1():
+    """Blocks of one request are not independent samples: at B = 1, eight poor steps of the first
+    request keep drafting on; the same evidence over a second request switches it off. At B = 4 the
+    first step's four rows are four requests already."""
+    s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1)
+    s.observe(dataclasses.replace(drafting(1, 0.25, 0.0), admitted=1))
+    for _ in range(7):
+        s.observe(drafting(1, 0.25, 0.0))
+    assert s.losing and s.state == "drafting" and s.requests == 1
+    s.observe(dataclasses.replace(drafting(1, 0.25, 0.0), admitted=1))
+    assert s.requests == 2 and s.state == "off"
+    s4 = skip(CostTable([4], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 4)
+    for i in range(4):
+        s4.observe(dataclasses.replace(drafting(4, 0.25, 0.0), admitted=4 if i == 0 else 0))
+    assert s4.requests == 4 and s4.state == "off"
+
+
 def test_a_probe_after_an_admission_is_charged_the_prompts_context_at_its_rate_not_whole():
     """B = 1, where drafting commits three tokens a step for 1.3 AR steps. Four poor first steps turned
     drafting off; the probe lands on the first block of a newly admitted request, whose prompt's
@@ -343,9 +360,9 @@ def test_a_probe_after_an_admission_is_charged_the_prompts_context_at_its_rate_n
     and keep drafting off where it doubles the tokens per second; at the lumps' running rate it wins,
     and drafting is on again. Its catch-up of the positions skipped while off is the probe budget's."""
     s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1)
-    for _ in range(4):
+    for i in range(4):  # two requests, one after the other
         assert s.draft_now()
-        s.observe(drafting(1, 0.25, 0.0))
+        s.observe(dataclasses.replace(drafting(1, 0.25, 0.0), admitted=int(i in (0, 2))))
     assert s.state == "off"
     s.state, s.skipped = "probing", 0  # a probe is due
     probe = dataclasses.replace(drafting(1, 0.25, 2.0), prompt_context=3.0, catchup=0.5, caught_up=50)
@@ -471,8 +488,8 @@ def test_probes_are_priced_on_what_drafting_usually_gets_not_on_the_last_hard_st
     for _ in range(200):
         s.observe(drafting(1, 0.25, 3.0))
     hard = 0
-    while s.draft_now():  # the hard request: drafting switches off
-        s.observe(drafting(1, 0.25, 0.0))
+    while s.draft_now():  # the hard request, a second one: drafting switches off
+        s.observe(dataclasses.replace(drafting(1, 0.25, 0.0), admitted=int(hard == 0)))
         hard += 1
     assert hard <= 30
     steps = 1  # the AR step that draft_now() just chose
