@@ -41,7 +41,7 @@ def ranking(log_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top, rank.view(B, D)
 
 
-def keep_lens(log_s: torch.Tensor, Ks: list[int], rank: torch.Tensor | None = None) -> torch.Tensor:
+def keep_lens(log_s: torch.Tensor, Ks: list[int] | torch.Tensor, rank: torch.Tensor | None = None) -> torch.Tensor:
     """keep_len [n_rho, B] for every budget in Ks: how many of request i's finite-scored positions
     are among the global top K (rank: ranking(log_s)[1], when the caller has it).
 
@@ -52,16 +52,16 @@ def keep_lens(log_s: torch.Tensor, Ks: list[int], rank: torch.Tensor | None = No
     sum(keep_len) = min(K, number of finite scores): the verify graph pads the rest."""
     if rank is None:
         rank = ranking(log_s)[1]
-    K = torch.tensor(Ks, device=log_s.device)  # [n_rho]
+    K = torch.as_tensor(Ks, device=log_s.device)  # [n_rho] (a tensor on the device already: no copy)
     inside = (rank[None] < K.view(-1, 1, 1)) & torch.isfinite(log_s)[None]  # [n_rho, B, D]
     return inside.sum(dim=2)  # [n_rho, B]
 
 
-def gains(top: torch.Tensor, Ks: list[int]) -> torch.Tensor:
+def gains(top: torch.Tensor, Ks: list[int] | torch.Tensor) -> torch.Tensor:
     """Expected accepted drafts of each budget [n_rho]: the sum of the top-K(rho) scores, from the
     sorted log scores top [B*D] (ranking(log_s)[0]; exp(-inf) = 0 adds nothing)."""
     csum = torch.cat([top.new_zeros(1), torch.cumsum(top.exp(), 0)])  # [B*D + 1]; csum[K] = top-K sum
-    return csum[torch.tensor(Ks, device=top.device)]
+    return csum[torch.as_tensor(Ks, device=top.device)]
 
 
 @dataclass
@@ -73,9 +73,10 @@ class Selection:
     gains: torch.Tensor  # [n_rho] expected accepted drafts
 
 
-def select(conf: torch.Tensor, limit: torch.Tensor, Ks: list[int]) -> Selection:
+def select(conf: torch.Tensor, limit: torch.Tensor, Ks: list[int] | torch.Tensor) -> Selection:
     """Steps 2-4 of a D-cut step for every budget K in Ks, from one global sort: conf [B, D] (the
-    drafter's probability of each draft), limit [B] (drafts each request can still emit)."""
+    drafter's probability of each draft), limit [B] (drafts each request can still emit). Ks as a
+    tensor on conf's device costs no host-to-device copy (an eager step on a GPU)."""
     log_s = prefix_scores(conf, limit)  # [B, D]
     top, rank = ranking(log_s)
     return Selection(log_s, keep_lens(log_s, Ks, rank), gains(top, Ks))

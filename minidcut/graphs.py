@@ -87,6 +87,7 @@ class Graphs:
         self.graphs: dict[tuple, callable] = {}
         self.calls: collections.Counter = collections.Counter()  # runs of each graph (warmup checks)
         self.cold_calls = 0  # runs of compiled graphs not yet warm (counted)
+        self.budget_tensors: dict[int, torch.Tensor] = {}  # budget_tensor's, by bucket
         self.record = COMPILE_CACHE / "graph_seconds.json"  # seconds a graph took to compile here, by machine and models
 
     def signature(self) -> str:
@@ -120,6 +121,13 @@ class Graphs:
     def budgets(self, b: int) -> list[int]:
         """K(rho) for every rho of the policy's grid at bucket b."""
         return [budget(r, b, self.D) for r in self.policy.rhos] if self.drafter is not None else [0]
+
+    def budget_tensor(self, b: int, device) -> torch.Tensor:
+        """budgets(b) on the device, made once per bucket: an eager draft then copies nothing in (two
+        host-to-device copies a draft on a GPU otherwise)."""
+        if b not in self.budget_tensors:
+            self.budget_tensors[b] = torch.tensor(self.budgets(b), device=device)
+        return self.budget_tensors[b]
 
     def get(self, kind: str, b: int, K: int = 0, write: bool = True, note: str = ""):
         """The callable of a draft graph (kind 'draft') or of a verify graph with K kept drafts, at
@@ -159,7 +167,8 @@ class Graphs:
         logits = self.drafter(self.target, anchor, anchor_pos, span)  # [b, D, V]
         # The greedy drafts and their softmax probabilities [b, D]: one fused softmax pass, then max.
         conf, idx = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        sel = select(conf, limit, self.budgets(b))
+        # Compiled, the budgets are constants of the graph; eager, a tensor made once per bucket.
+        sel = select(conf, limit, self.budgets(b) if self.compile else self.budget_tensor(b, conf.device))
         rho = self.policy.choose(sel.gains, n_live, gain_scale, cost).view(1)
         pick = torch.cat([rho.to(sel.gains.dtype), sel.gains.gather(0, rho)])  # [2]: one copy to the host
         return self.drafter.tokens(idx), sel.keep_lens, sel.gains, sel.log_s, pick

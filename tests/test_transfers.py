@@ -3,8 +3,8 @@ steady state every step makes one device-to-host copy, and a drafting step one h
 its plan's inputs (gain scale, costs, limits) go over before its verification, the next step's draft
 made right after it picks rho* with them, and that pick (rho index and gain) crosses back with this
 step's tokens; an AR step's tokens alone, with nothing sent. A step whose rows changed drafts afresh:
-its inputs go over in one copy (the staging buffer) and its pick comes back in one more. No .item() at all. No torch.tensor() from host lists outside the graphs (inside, the selector's budget
-vectors are constants of a compiled graph; run eagerly they are rebuilt per call)."""
+its inputs go over in one copy (the staging buffer) and its pick comes back in one more. No .item() at all. No torch.tensor() from host lists, outside the graphs or inside (the selector's budget
+vectors are constants of a compiled graph; run eagerly, tensors made once per bucket)."""
 
 from __future__ import annotations
 
@@ -240,3 +240,19 @@ def test_the_drafters_prompt_context_is_charged_to_the_next_drafting_step(tmp_pa
     engine.generate([[3, 5, 7], [4, 6, 8, 10], [5, 7, 9]], 12, on_step=lambda stats, rec: records.append(rec))
     charged = [r.prompt_context for r in records]
     assert charged[0] == 1.0 and charged.count(1.0) == 2 and sum(charged) == 2.0  # two prefills, two charges
+
+
+def test_an_eager_draft_builds_no_tensor_from_host_lists_inside_the_graphs_either(tmp_path, monkeypatch):
+    """Run eagerly, the selector's budget vectors are made once per bucket (Graphs.budget_tensor), not
+    per draft: on a GPU each would be a host-to-device copy."""
+    target, drafter = tiny_pair(tmp_path)
+    table = CostTable([4], GRID, [[1.0 if r == 0.5 else 1000.0 for r in GRID]])
+    engine = Engine(target, drafter, Policy.dcut(table, GRID, calibrate=False, skip_drafting=False), batch_size=4,
+                    max_seq=96, eos_ids=[], compile=False)
+    made, per_step, real_tensor = [], [], torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: (made.append(a), real_tensor(*a, **k))[1])
+    engine.generate([[3 + i, 5, 7, 9, 11] for i in range(4)], 40,
+                    on_step=lambda stats, rec: (per_step.append((rec.drafted, len(made))), made.clear()))
+    steady = per_step[1:-1]
+    assert len(steady) > 5 and all(drafted for drafted, _ in steady)
+    assert all(n == 0 for _, n in steady)
