@@ -54,6 +54,9 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | None = None, device: st
     target = load_target(target_dir, dt, dev)
     ddt = parse_dtype(drafter_dtype) if drafter_dtype else dt
     drafter = load_drafter(drafter_dir, target, ddt, dev) if drafter_dir else None
+    target.fuse()  # q/k/v and gate/up in one matmul each
+    if drafter is not None:
+        drafter.fuse()
     if pack if pack is not None else dev.type == "cpu":
         target.pack()
         if drafter is not None:

@@ -108,6 +108,12 @@ class DFlashDrafter(nn.Module):
         """Indices into the drafter's logits -> token ids (the same without a draft vocabulary)."""
         return idx if self.draft_vocab is None else self.draft_vocab[idx]
 
+    def fuse(self) -> None:
+        """Fused projections in every draft layer (DecoderLayer.fuse), k_proj and v_proj kept for the
+        context's K/V; before pack()."""
+        for layer in self.layers:
+            layer.fuse(keep_kv=True)
+
     def pack(self) -> None:
         """Pack the drafter's linear layers and its lm_head for oneDNN (eager CPU runs: layers.PackedLinear)."""
         pack_linears(self)

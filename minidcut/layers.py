@@ -129,25 +129,53 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * Dh, H, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_proj = None  # fuse(): q, k and v in one matmul
 
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, H] -> k, v [T, n_kv, Dh] (k normed and rotated, as stored in the cache)."""
-        k = self.k_proj(x).view(-1, self.n_kv, self.head_dim)
+    def fuse(self, keep_kv: bool) -> None:
+        """One [H, (Hq + 2 Hkv) Dh] projection for q, k and v of the same tokens (one matmul instead of
+        three; measured on a 2-core CPU, fp32, 1 thread: 105 -> 53 us for 4 rows at H = 256). keep_kv:
+        keep k_proj and v_proj too, for project_kv of other inputs (the drafter's context)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        fused = nn.Linear(parts[0].in_features, sum(m.out_features for m in parts), bias=parts[0].bias is not None,
+                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([m.weight for m in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([m.bias for m in parts]))
+        self.qkv_proj, self.split = fused.requires_grad_(False), [m.out_features for m in parts]
+        del self.q_proj
+        if not keep_kv:
+            del self.k_proj, self.v_proj
+
+    def finish_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projected k, v [T, n_kv * Dh] -> [T, n_kv, Dh] each (k normed and rotated, as the cache holds it)."""
+        k = k.view(-1, self.n_kv, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return apply_rope(k, cos, sin), self.v_proj(x).view(-1, self.n_kv, self.head_dim)
+        return apply_rope(k, cos, sin), v.view(-1, self.n_kv, self.head_dim)
 
-    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.n_heads, self.head_dim)  # [T, Hq, Dh]
+    def finish_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = q.view(-1, self.n_heads, self.head_dim)  # [T, Hq, Dh]
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q, cos, sin)
 
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, H] -> k, v [T, n_kv, Dh] (k normed and rotated, as stored in the cache)."""
+        return self.finish_kv(self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.finish_q(self.q_proj(x), cos, sin)
+
     def forward(self, x, cos, sin, cache, layout):
         """x [T, H] -> [T, H]. `cache` is (k_cache, v_cache) [R, n_kv, S, Dh] or None;
         `layout` is the Layout of this forward (grid shape, slots, positions, mask)."""
-        q = self.project_q(x, cos, sin)
-        k, v = self.project_kv(x, cos, sin)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+            q, (k, v) = self.finish_q(q, cos, sin), self.finish_kv(k, v, cos, sin)
+        else:
+            q = self.project_q(x, cos, sin)
+            k, v = self.project_kv(x, cos, sin)
         qg = to_grid(q, layout.slot, layout.n, layout.Q)  # [n, Hq, Q, Dh]
         if layout.prefill:
             # Prompts start at position 0 in fresh rows: attend causally among the prompt's own tokens
@@ -229,8 +257,24 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = None  # fuse(): gate and up in one matmul
+
+    def fuse(self) -> None:
+        """One [H, 2I] projection for gate and up (one matmul instead of two)."""
+        g, u = self.gate_proj, self.up_proj
+        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=g.bias is not None, device=g.weight.device,
+                          dtype=g.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([g.weight, u.weight]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([g.bias, u.bias]))
+        self.gate_up_proj = fused.requires_grad_(False)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -342,6 +386,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (MoE(cfg) if cfg.is_moe_layer(i)
                     else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
+
+    def fuse(self, keep_kv: bool) -> None:
+        """Fused projections (Attention.fuse, MLP.fuse; a MoE's shared expert too): the same math in fewer
+        matmuls. Loaded weights keep their checkpoint names until then (load_pair fuses after loading)."""
+        self.self_attn.fuse(keep_kv)
+        for m in self.mlp.modules():
+            if isinstance(m, MLP):
+                m.fuse()
 
     def forward(self, x, cos, sin, cache, layout):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layout)

@@ -108,6 +108,11 @@ class Transformer(nn.Module):
     def max_seq(self) -> int:
         return self.caches[0].k.shape[2] if len(self.caches) else 0
 
+    def fuse(self) -> None:
+        """q/k/v and gate/up in one matmul each, in every layer (DecoderLayer.fuse); before pack()."""
+        for layer in self.model.layers:
+            layer.fuse(keep_kv=False)
+
     def pack(self) -> None:
         """Pack every linear layer (lm_head included) for oneDNN: eager CPU runs (layers.PackedLinear)."""
         pack_linears(self)

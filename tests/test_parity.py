@@ -116,6 +116,27 @@ def test_weights_packed_for_onednn_keep_logits_and_greedy_tokens_of_transformers
     assert generate(packed(path), prompts, 32, batch_size=2) == [hf_greedy(hf, p, 32) for p in prompts]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("pack", [False, True])
+def test_fused_projections_keep_logits_and_greedy_tokens_of_transformers(tiny, family, pack):
+    """q/k/v and gate/up in one matmul each (Transformer.fuse, as api.load_pair loads): the same math."""
+    if pack and not torch.backends.mkldnn.is_available():
+        pytest.skip("a torch build without oneDNN")
+    path, hf = tiny(family)
+
+    def fused():
+        target = load_target(path)
+        target.fuse()
+        if pack:
+            target.pack()
+        assert all(layer.self_attn.qkv_proj is not None for layer in target.model.layers)
+        return target
+    ids = prompt(40, seed=1)
+    assert (minidcut_logits(fused(), ids) - hf_logits(hf, ids)).abs().max().item() <= 1e-4
+    prompts = [prompt(5, seed=2), prompt(17, seed=3)]
+    assert generate(fused(), prompts, 32, batch_size=2) == [hf_greedy(hf, p, 32) for p in prompts]
+
+
 # ---- checkpoint layouts --------------------------------------------------------------------------
 
 def fused_expert_tensors(path, transposed: bool) -> dict[str, torch.Tensor]:
