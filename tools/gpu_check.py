@@ -319,6 +319,7 @@ def build_target(cfg: dict, dtype: torch.dtype, device, seed: int = 0) -> Transf
     model = materialize(model, dtype, device)
     init_weights(model, mc.num_layers, seed)
     model.inv_freq = rope_inv_freq(mc.head_dim, mc.rope_theta, mc.rope_scaling).to(device)  # fp32, as loaded
+    model.fuse()  # as api.load_pair loads a target
     return model.eval().requires_grad_(False)
 
 
@@ -335,6 +336,7 @@ def build_drafter(cfg: dict, target: Transformer, dtype: torch.dtype, device, se
     init_weights(drafter, dc.layers.num_layers, seed)
     drafter.inv_freq = rope_inv_freq(dc.layers.head_dim, dc.layers.rope_theta, dc.layers.rope_scaling).to(device)
     drafter.borrow(target)
+    drafter.fuse()
     return drafter.eval().requires_grad_(False)
 
 
