@@ -106,8 +106,9 @@ def parse_args(argv=None):
                    help="train only the first N draft slots (default: all D): the deep ones weigh little "
                         "under the decay but cost as much in the lm_head")
     p.add_argument("--seconds", type=float, default=None,
-                   help="train for about this long instead of --steps: the steps are set from the pace of "
-                        "the first %d (the schedule's warm-up and cosine follow them)" % PACE_STEPS)
+                   help="train for this long instead of --steps: the cosine schedule follows the clock and "
+                        "training stops when it runs out (the warm-up and the progress bar take their steps "
+                        "from the pace of the first %d)" % PACE_STEPS)
     p.add_argument("--save-every", type=int, default=None,
                    help="also save the drafter to --out every N steps (a chunk cut short keeps its progress)")
     p.add_argument("--seed", type=int, default=0)
@@ -465,14 +466,18 @@ def main(argv=None):
     with progress(console) as bar:
         task = bar.add_task("train drafter", total=args.steps, info="")
         step = 0
-        while step < args.steps:
+        while args.seconds or step < args.steps:  # with --seconds, until the clock runs out
             if args.seconds and step == PACE_STEPS:  # steps 1..PACE_STEPS timed (step 0 pays warm-up)
                 pace = (time.time() - t_pace) / (PACE_STEPS - 1)
                 args.steps = max(PACE_STEPS + 1, int((args.seconds - (time.time() - t_train)) / pace) + PACE_STEPS)
                 warm = max(args.steps // 20, 1)
                 bar.update(task, total=args.steps)
-                console.log(f"{pace * 1e3:.0f} ms a step: {args.steps} steps in --seconds {args.seconds:g}")
-            lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+                console.log(f"{pace * 1e3:.0f} ms a step: ~{args.steps} steps in --seconds {args.seconds:g}")
+            done = (time.time() - t_train) / args.seconds if args.seconds and step >= PACE_STEPS else step / args.steps
+            if args.seconds and done >= 1.0:
+                args.steps = step  # the clock ran out: this many steps were trained
+                break
+            lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
             for g in opt.param_groups:
                 g["lr"] = lr
             idx = torch.randint(0, len(seqs), (args.batch_size,), generator=gen).tolist()
