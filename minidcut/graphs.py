@@ -28,9 +28,9 @@ from .dcut import budget, select
 from .model import causal_layout
 from .policy import StepPlan
 from .runtime import COMPILE_CACHE
+from .sampling import accept, sample, sample_keys
 
 REPLAYED = 3  # runs after which a compiled graph is compiled, recorded (reduce-overhead) and replayed
-from .sampling import accept, sample, sample_keys
 
 
 class DraftInputs:

@@ -114,6 +114,19 @@ def to_grid(x: torch.Tensor, slot: torch.Tensor, n: int, Q: int) -> torch.Tensor
     return grid.view(n, Q, *x.shape[1:]).transpose(1, 2)
 
 
+def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One frozen nn.Linear whose output is the parts' outputs side by side (weights and biases stacked
+    along the output dimension): several projections of the same input in one matmul."""
+    first = parts[0]
+    out = nn.Linear(first.in_features, sum(m.out_features for m in parts), bias=first.bias is not None,
+                    device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([m.weight for m in parts]))
+        if out.bias is not None:
+            out.bias.copy_(torch.cat([m.bias for m in parts]))
+    return out.requires_grad_(False)
+
+
 class Attention(nn.Module):
     """GQA attention. K/V of every token are written into the static cache at (row, pos) before
     attending, so verification needs no rollback: entries past a row's committed length are masked
@@ -136,13 +149,7 @@ class Attention(nn.Module):
         three; measured on a 2-core CPU, fp32, 1 thread: 105 -> 53 us for 4 rows at H = 256). keep_kv:
         keep k_proj and v_proj too, for project_kv of other inputs (the drafter's context)."""
         parts = [self.q_proj, self.k_proj, self.v_proj]
-        fused = nn.Linear(parts[0].in_features, sum(m.out_features for m in parts), bias=parts[0].bias is not None,
-                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([m.weight for m in parts]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([m.bias for m in parts]))
-        self.qkv_proj, self.split = fused.requires_grad_(False), [m.out_features for m in parts]
+        self.qkv_proj, self.split = stacked_linear(parts), [m.out_features for m in parts]
         del self.q_proj
         if not keep_kv:
             del self.k_proj, self.v_proj
@@ -261,14 +268,7 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """One [H, 2I] projection for gate and up (one matmul instead of two)."""
-        g, u = self.gate_proj, self.up_proj
-        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=g.bias is not None, device=g.weight.device,
-                          dtype=g.weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([g.weight, u.weight]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([g.bias, u.bias]))
-        self.gate_up_proj = fused.requires_grad_(False)
+        self.gate_up_proj = stacked_linear([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
     def forward(self, x):

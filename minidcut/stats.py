@@ -60,8 +60,11 @@ class StepClock:
     def step_seconds(self, redrafted: bool) -> float:
         """Seconds from the draft on, with one draft: a fresh draft that also drafted ahead ran two, and
         the fresh one (redraft) is the price of rows changing hands, not of this step's budget."""
+        if self.cold:  # compiling, not a step's or a redraft's time: nothing measured
+            self.redraft = 0.0
+            return 0.0
         self.redraft = self.marks["verify"] - self.marks["draft"] if redrafted else 0.0
-        return 0.0 if self.cold else time.perf_counter() - self.marks["draft"] - self.redraft  # 0: not measured
+        return time.perf_counter() - self.marks["draft"] - self.redraft
 
     def charge(self, stats: "Stats") -> None:
         """Every second of the step but prefill and measuring into stats.seconds (a cold step's all

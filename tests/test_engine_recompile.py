@@ -246,6 +246,7 @@ def test_graphs_compiled_on_the_way_are_compiling_time_not_a_steps_time(tiny_pai
     assert {b for _, b, _, _ in engine.runner.graphs.graphs} == {1, B}  # compiled where the run reached it
     cold = [r for r in recs if r.seconds == 0.0]
     assert cold and all(r.bucket == 1 for r in cold) and len(cold) <= 3  # the 1-row bucket's first steps
+    assert all(r.redraft == 0.0 for r in cold)  # nor is a fresh draft's compiling charged to drafting
     assert stats.seconds["compile"] > 0
     recs.clear()
     outputs, stats = engine.generate(prompts, NEW_TOKENS, on_step=lambda s, r: recs.append(r))
