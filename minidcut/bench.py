@@ -1,7 +1,9 @@
 """python -m minidcut.bench: every policy side by side, per batch size, in one process.
 
-For each batch size the policies run over the same prompts, interleaved (policy A, B, ... then again),
-warm: a first untimed pass compiles (its time is reported separately). With --lockstep each policy runs on
+For each batch size the policies run over the same prompts, interleaved, the order rotating from pass to
+pass (A B C, B C A, C A B: each policy follows each other one alike; on a CPU the steps after another
+policy's pass run slow while caches refill), warm: a first untimed pass compiles (its time is reported
+separately). With --lockstep each policy runs on
 its own copy of the models and the passes run together, one step of each policy in turn: a machine whose
 speed drifts from second to second (a shared VM) then slows every policy alike. Reported per (B, policy):
 tokens/s, speedup over AR, tau, keep ratio, rho histogram, step-time split, and for dcut the predicted
@@ -107,8 +109,9 @@ def bench_batch(B, specs, models, prompts, args, console) -> tuple[list[dict], d
         engines[spec].generate(ids[:B], min(args.max_new_tokens, 2 * drafter.block_size))
         rows[spec] = {"warmup_seconds": time.perf_counter() - t0, "runs": []}
     for rep in range(args.repeats):
+        order = specs[rep % len(specs):] + specs[: rep % len(specs)]  # each policy follows each other one alike
         passes = together(engines, ids, args.max_new_tokens) if args.lockstep else (
-            (spec, engines[spec].generate(ids, args.max_new_tokens)[1]) for spec in specs)  # interleaved
+            (spec, engines[spec].generate(ids, args.max_new_tokens)[1]) for spec in order)  # interleaved
         for spec, stats in passes:
             rows[spec]["runs"].append(stats.as_dict())
             console.log(f"B={B} {spec:>12} pass {rep + 1}: {rows[spec]['runs'][-1]['tokens_per_second']:.1f} tok/s")

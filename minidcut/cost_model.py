@@ -73,9 +73,13 @@ class CostTable:
     def row(self, B: int, rhos) -> list[float] | None:
         """Seconds per step at bucket B for each of rhos (inf where a row was cut short), None
         without a row at B or if a rho is not in the table."""
-        if B not in self.batch_sizes or any(r not in self.rhos for r in rhos):
+        if B not in self.batch_sizes:
             return None
         row = self.seconds[self.batch_sizes.index(B)]
+        if rhos == self.rhos:  # every step asks for the whole grid
+            return list(row)
+        if any(r not in self.rhos for r in rhos):
+            return None
         return [row[self.rhos.index(r)] for r in rhos]
 
     def add_row(self, B: int, seconds: list[float], samples: int | list[int] = 1) -> None:

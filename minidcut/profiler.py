@@ -13,7 +13,13 @@ measure_live  each rho timed on the live rows
               it accepted every draft it can keep, since costs only grow with rho. The rest stay
               unmeasured (inf: never chosen). Not this step's confidences: one step's are a noisy
               guess (a first step after the prompt is often unsure), and a rho left out is never
-              chosen.
+              chosen. The AR step (rho = 0) is timed first, for that bound, and again last, for its
+              entry, after AR_RUN untimed AR steps: AR steps that follow other work run slow (on a
+              CPU the demo's first timed AR steps at B = 4 took 7.7, 5.3, 5.1 ms, and 5.6, 5.3, 5.0 right
+              after the drafting cells, where AR steps in a run of them take 4.1-4.3), and while
+              drafting is on no loop step refines the AR entry: one timed out of a run would make
+              every drafting step look up to a quarter cheaper against AR than it is (skipping.py
+              compares them).
 measure       tools/profile.py: whole rows on random context, the rhos taking turns.
 """
 
@@ -32,6 +38,7 @@ from .graphs import REPLAYED
 from .policy import StepPlan, StepRecord
 
 LIVE_SAMPLES, LIVE_SECONDS = 3, 0.2  # measure_live times a cell up to 3 times while that stays under 0.2 s
+AR_RUN = 5  # untimed AR steps before the AR entry is timed: a run of them, as when drafting is off
 
 
 def nondecreasing(xs: list[float]) -> list[float]:
@@ -84,10 +91,10 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     Ks = engine.runner.graphs.budgets(b)
     seen, samples = [], [0] * len(rhos)
 
-    def cell(ri: int) -> float:
+    def cell(ri: int, run: int = 0) -> float:
         keys = [("verify", b, Ks[ri], Ks[ri] > 0)] + ([("draft", b, 0, True)] if Ks[ri] else [])
         runs = min(engine.runner.graphs.calls[k] for k in keys)  # compiled: run until it replays; eager: once, to allocate
-        warm = max(0, REPLAYED - runs) if engine.compile else int(runs == 0)
+        warm = max(run, REPLAYED - runs if engine.compile else int(runs == 0))
         for _ in range(warm):
             timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri, reach)
         steps = []
@@ -121,6 +128,8 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
         best = max(best, rate[ri] / row[ri])
         if ceiling / row[ri] <= best and ri != drafting[-1]:
             break  # no larger budget can win: it costs at least row[ri] and commits at most the ceiling
+    for ri in (ri for ri, K in enumerate(Ks) if K == 0):  # again, in a run: the entry nothing refines while drafting is on
+        row[ri] = cell(ri, run=AR_RUN)
     measured = [ri for ri in drafting if not math.isinf(row[ri])]
     for ri, x in zip(measured, nondecreasing([row[ri] for ri in measured])):
         row[ri] = x

@@ -24,18 +24,19 @@ consistently poor, and where it does go off, the first probe that does well turn
 drafting clearly loses, the bound stays far below zero and a lucky probe changes nothing.
 
 Probes are paid from a budget set by the room to win: the tokens per second the best budget would
-commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5 at B = 64). Each AR
-step while off earns PROBE_SHARE of what drafting could save there at best, (room - 1) AR steps'
-worth of its seconds, and a probe runs once those earnings pay its price (never sooner than
-probe_every steps). Each probe in a row that leaves drafting off doubles that period (an exponential
-backoff, at most MAX_BACKOFF times: where drafting keeps losing, probes thin out geometrically, so
-their cost over a run grows with its logarithm); one that turns drafting on resets it. Where drafting
-never pays, probing thus costs at most PROBE_SHARE * (room - 1) of the run, and less as the backoff
-grows; where it might win much, the first probe comes soon. A probe's price is a drafting step at the
-dearest budget the rule may pick, less what drafting usually commits (a long running mean), plus the
-catch-up of the drafter's context it must write first (priced per position as the last one took).
-The catch-up grows with every skipped step, so where it grows faster than the earnings a probe waits
-for rows that have little to catch up (requests admitted since).
+commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5 at B = 64). Drafting
+at best commits an AR step's tokens in 1 / room of its time, so it could save (1 - 1 / room) of every
+AR step; each AR step while off earns PROBE_SHARE of that toward the next probe, and a probe runs once
+those earnings pay its price (never sooner than probe_every steps). Each probe in a row that leaves
+drafting off doubles that period (an exponential backoff, at most MAX_BACKOFF times: where drafting
+keeps losing, probes thin out geometrically, so their cost over a run grows with its logarithm); one
+that turns drafting on resets it. Where drafting never pays, probing thus costs at most PROBE_SHARE *
+(1 - 1 / room) of the run (under PROBE_SHARE at any room, about a third of it at room 1.5), and less as
+the backoff grows; where it might win much, the first probe comes soon. A probe's price is a drafting
+step at the dearest budget the rule may pick, less what drafting usually commits (a long running
+mean), plus the catch-up of the drafter's context it must write first (priced per position as the
+last one took). The catch-up grows with every skipped step, so where it grows faster than the
+earnings a probe waits for rows that have little to catch up (requests admitted since).
 
 What drafting alone pays around its steps comes in lumps: a prompt's context for the drafter when it
 is admitted, a draft made afresh when the rows change, the catch-up before a drafting step. A sample is
@@ -63,7 +64,7 @@ from .dcut import budget
 
 CONFIDENCE = 0.90  # drafting goes off when its mean gain over AR is below zero at this one-sided confidence
 RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (~50 steps, probes included)
-PROBE_SHARE = 0.01  # probing spends at most this share of what drafting could save at best (room - 1)
+PROBE_SHARE = 0.02  # probing spends at most this share of the time drafting could save at best, (1 - 1 / room)
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
 OVERHEAD_DECAY = 0.995  # drafting's lumps (redraft, catch-up, prompt context) per drafting step, ~200 steps
 
@@ -208,13 +209,13 @@ class SkipDrafting:
 
     def probe_period(self, behind: int = 0, cost: dict[float, float] | None = None) -> int:
         """AR steps a probe waits for while `behind` positions would need catching up: its price over
-        what each AR step earns toward it, PROBE_SHARE of (room - 1) AR steps' seconds, at least
-        probe_every; doubled `backoff` times."""
+        what each AR step earns toward it, PROBE_SHARE of the (1 - 1 / room) of an AR step's seconds that
+        drafting could save at best, at least probe_every; doubled `backoff` times."""
         cost = cost or self.cost
         room = self.room(cost)
         if room <= 1.0:
             return self.probe_every << self.backoff
-        earned = PROBE_SHARE * (room - 1.0) * cost[0.0]
+        earned = PROBE_SHARE * (1.0 - 1.0 / room) * cost[0.0]
         return max(self.probe_every, int(self.probe_price(behind, cost) / earned) + 1) << self.backoff
 
     @property
@@ -240,8 +241,8 @@ class SkipDrafting:
         if not self.pays(cost):
             return False
         if self.state == "off":
-            self.skipped += 1
-            if self.skipped >= self.probe_period(behind, cost):
+            self.skipped += 1  # the period is at least probe_every << backoff: priced only from there
+            if self.skipped >= self.probe_every << self.backoff and self.skipped >= self.probe_period(behind, cost):
                 self.state = "probing"
         return self.state != "off" and self.pays(cost, n_live, usable)
 

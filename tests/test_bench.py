@@ -112,6 +112,28 @@ def test_lockstep_passes_take_one_step_of_each_engine_in_turn():
     assert order == ["a", "b", "b", "a", "a", "b", "b", "b"]
 
 
+def test_interleaved_passes_rotate_the_order_of_the_policies(tmp_path, monkeypatch):
+    """Without --lockstep the timed passes run policy after policy, the order rotating from pass to
+    pass, so each policy follows each other one alike (the first steps after another policy's pass
+    run slow on a CPU)."""
+    hf = make_model(tmp_path / "target", "llama")
+    make_drafter(tmp_path / "drafter", hf.config)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [3 + i, 5, 7, 9]}) + "\n" for i in range(4)))
+    order = []
+    real_generate = bench.Engine.generate
+
+    def generate(self, prompts, max_new_tokens, *a, **kw):
+        order.append(self.policy.label)
+        return real_generate(self, prompts, max_new_tokens, *a, **kw)
+    monkeypatch.setattr(bench.Engine, "generate", generate)
+    assert bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                       "--batch-sizes", "2", "--policies", "ar,full,static:0.5", "--prompts", str(prompts),
+                       "--max-new-tokens", "4", "--repeats", "3", "--no-compile", "--threads", "1",
+                       "--output", str(tmp_path / "b.json")]) == 0
+    assert order[3:] == ["ar", "full", "static:0.5", "full", "static:0.5", "ar", "static:0.5", "ar", "full"]
+
+
 def test_lockstep_bench_runs_each_policy_on_its_own_models(tmp_path, monkeypatch):
     """--lockstep: one copy of the models per policy, every pass's ratio to AR's pass in the JSON."""
     hf = make_model(tmp_path / "target", "llama")

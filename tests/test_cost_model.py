@@ -227,6 +227,35 @@ def test_a_live_row_stops_only_where_full_acceptance_could_not_win(pair, monkeyp
     assert row[:measured] == costs[:measured]
 
 
+def test_the_ar_entry_is_timed_last_after_a_run_of_untimed_ar_steps(pair, monkeypatch):
+    """AR steps that follow other work run slow, and while drafting is on nothing refines the AR entry:
+    it is timed again after the drafting cells, after AR_RUN untimed AR steps, and keeps those
+    timings. Here every AR step takes less than the one before (8, 7, ... ms): the entry is the
+    median of the three timed after the run, not of the first ones."""
+    import minidcut.profiler as profiler
+    from types import SimpleNamespace
+
+    target, drafter, _ = pair
+    engine = Engine(target, drafter, Policy.dcut(CostTable([2], RHOS, [[1.0] * 5]), RHOS), batch_size=1,
+                    max_seq=64, eos_ids=[], compile=False)
+    order, ar = [], iter(8.0 - i for i in range(40))
+
+    def timed(e, a, p, i, limit, n, ri, reach):
+        order.append(ri)
+        return (next(ar) if ri == 0 else 2.0 + ri) / 1000, None, torch.ones(1)
+    monkeypatch.setattr(profiler, "timed_step", timed)
+    monkeypatch.setattr(engine.runner, "draft", lambda *a, **k: SimpleNamespace(gain=torch.full((5,), 0.01)))
+    z = torch.zeros(1, dtype=torch.long)
+    row, samples, _ = profiler.measure_live(engine, z, z + 3, z, [15], [0], reach=4)
+    first = order.index(1)  # the AR cell first: an untimed step, then LIVE_SAMPLES timed
+    assert order[:first] == [0] * (1 + profiler.LIVE_SAMPLES)
+    last = len(order) - 1 - order[::-1].index(4)
+    assert order[last + 1:] == [0] * (profiler.AR_RUN + profiler.LIVE_SAMPLES)
+    n_ar = order.count(0)
+    assert row[0] == pytest.approx((8.0 - (n_ar - 2)) / 1000) and samples[0] == profiler.LIVE_SAMPLES  # median of the last 3
+    assert row[1:] == pytest.approx([0.003, 0.004, 0.005, 0.006])
+
+
 @torch.inference_mode()
 def test_a_row_measured_on_rows_at_their_end_teaches_the_skip_controller_nothing(pair):
     """A batch's tail can reach a bucket without a cost row while its rows have no token left to draft
