@@ -56,14 +56,14 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
             ev = skip.evidence
             lines.append(f"drafting is off at bucket {b}: its drafting steps "
                          f"committed {1 + skip.usual_accepted:.2f} tokens per request per step, where the cheapest "
-                         f"costs {cheapest:.1f} AR steps (gain over AR steps {ev.mean:+.2f} tokens per request per "
+                         f"costs {cheapest:.1f} AR steps (gain over AR steps {skip.gain:+.2f} tokens per request per "
                          f"step over ~{ev.n:.0f} steps, {CONFIDENCE:.0%} sure it is below zero); a probe checks "
                          f"again every {skip.probe_period()} steps or more (the more drafter context it must catch "
                          "up, the later)")
         else:
             ev = skip.evidence
             lines.append(f"drafting is on at bucket {b}" + (
-                f": gain over AR steps {ev.mean:+.2f} tokens per request per step over ~{ev.n:.0f} steps, not "
+                f": gain over AR steps {skip.gain:+.2f} tokens per request per step over ~{ev.n:.0f} steps, not "
                 f"{CONFIDENCE:.0%} sure it is below zero" if ev.n >= 1.5 else ""))
     for bucket, left in sorted(stats.unmeasured.items()):
         lines.append(f"bucket {bucket} ran AR steps without a cost row: its rows had at most {left} steps left, "

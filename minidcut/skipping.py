@@ -8,15 +8,20 @@ explicit state:
              committed per row less what AR steps commit in the same time, weighted by the step's
              share of live rows. Drafting goes off only when the evidence says, with CONFIDENCE, that
              the mean gain is below zero: the one-sided upper confidence bound of the samples' mean
-             (Student's t, the samples weighted by RUN_DECAY per drafting step) lies below zero,
-             after at least `patience` drafting steps over at least two requests.
+             (Student's t, the samples weighted by RUN_DECAY per drafting step), less the mean of
+             what drafting paid around its steps (the lumps, below), lies below zero, after at
+             least `patience` drafting steps over at least two requests.
   off        AR steps. A probe runs once the AR steps since drafting went off have earned its price.
   probing    one drafting step; its sample joins the evidence, and drafting is on again unless the
              evidence still says, with the same confidence, that drafting loses.
 
 Successive blocks of one request are not independent samples: a prompt the drafter finds hard is hard
-for all of its blocks. So the samples that switch drafting off must come from more than one request:
-at B = 1 a single hard first request cannot switch drafting off for the run.
+for all of its blocks. So the samples that switch drafting off must come from more than one request,
+and at B = 1, where each sample is one request's, the latest request must have given `patience` of
+them itself: a hard first request followed by one block of the next cannot switch drafting off (on the
+demo pair the bench's first request accepted about one draft a step for 16 steps, where the prompts
+after it accept two to three and drafting wins 1.35x; the second request's first block switched
+drafting off in 3 of 10 runs).
 
 Drafting is the default and off the decision that needs evidence: a handful of poor first steps on a
 noisy machine (single steps spread 30 % on a 2-core CPU) does not switch it off unless they are
@@ -39,12 +44,17 @@ last one took). The catch-up grows with every skipped step, so where it grows fa
 earnings a probe waits for rows that have little to catch up (requests admitted since).
 
 What drafting alone pays around its steps comes in lumps: a prompt's context for the drafter when it
-is admitted, a draft made afresh when the rows change, the catch-up before a drafting step. A sample is
-charged these at their long running rate per drafting step (OVERHEAD_DECAY), not as they fall: the
-expected charge is the same, and one lump cannot decide a sample. At B = 1 a probe after an admission
-would otherwise carry the whole prompt's context and lose where drafting doubles the tokens per
-second. A probe's own catch-up, of the positions skipped while drafting was off, is the price of
-having been off: the probe budget pays it (below) and the rate leaves it out.
+is admitted, a draft made afresh when the rows change, the catch-up before a drafting step. They are
+kept apart from the samples, as their own weighted mean over the same drafting steps (the same
+RUN_DECAY weights), and the decision subtracts that mean from the samples' bound: drafting is charged
+exactly the lumps it paid over the steps the evidence remembers, and one lump cannot decide a sample.
+Charged whole to the sample it falls on, a probe at B = 1 after an admission would carry the whole
+prompt's context and lose where drafting doubles the tokens per second; charged to each sample at the
+rate so far, a run's first samples would each carry the first prompt's whole context over the few
+steps seen (the k-th a 1 / k share, the first four together twice what they paid), enough to switch
+drafting off at B = 1 on the demo pair where it wins 1.35x. A probe's own catch-up, of the positions
+skipped while drafting was off, is the price of having been off: the probe budget pays it (below), and
+the lumps leave it out.
 
 Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
 Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
@@ -66,11 +76,10 @@ CONFIDENCE = 0.90  # drafting goes off when its mean gain over AR is below zero 
 RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (~50 steps, probes included)
 PROBE_SHARE = 0.02  # probing spends at most this share of the time drafting could save at best, (1 - 1 / room)
 ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
-OVERHEAD_DECAY = 0.995  # drafting's lumps (redraft, catch-up, prompt context) per drafting step, ~200 steps
 
 MAX_BACKOFF = 6  # the probe period doubles at most this often (64x)
 STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted",
-         "failed_probes", "overhead", "requests")  # what is saved
+         "failed_probes", "lumps", "requests", "latest")  # what is saved
 
 
 def t_quantile(p: float, df: float) -> float:
@@ -128,8 +137,9 @@ class SkipDrafting:
         self.catchup_per_position = 0.0  # seconds the last catch-up of the drafter's context took a position
         self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
         self.failed_probes = 0  # probes in a row that left drafting off (backoff)
-        self.overhead = [0.0, 0.0]  # long running [seconds drafting alone paid around its steps, drafting steps]
+        self.lumps = Evidence()  # what drafting alone paid around each drafting step, tokens per row
         self.requests = 0  # requests the samples came from (live rows of the first, then admissions)
+        self.latest = 0  # samples since the last admission (at B = 1: of the latest request)
 
     @property
     def cost(self) -> dict[float, float]:
@@ -155,7 +165,7 @@ class SkipDrafting:
 
     @property
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) if k != "evidence" else self.evidence.sums for k in STATE}
+        return {k: getattr(self, k).sums if k in ("evidence", "lumps") else getattr(self, k) for k in STATE}
 
     def load_state(self, saved: dict) -> None:
         """Continue from a saved state_dict (KeyError / ValueError / TypeError if it is not one). A
@@ -170,11 +180,9 @@ class SkipDrafting:
         self.catchup_per_position = float(saved["catchup_per_position"])
         self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
         self.failed_probes = int(saved["failed_probes"])
-        overhead = [float(x) for x in saved.get("overhead", (0.0, 0.0))]  # states saved before it: none yet
-        if len(overhead) != 2:
-            raise ValueError("skip state: overhead must be [seconds, steps]")
-        self.overhead = overhead
+        self.lumps = Evidence(saved.get("lumps", (0.0, 0.0, 0.0, 0.0)))  # states saved before it: none yet
         self.requests = int(saved.get("requests", 2))  # states saved before it decided with more
+        self.latest = int(saved.get("latest", self.patience))
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:
         """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
@@ -188,10 +196,22 @@ class SkipDrafting:
         return self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
 
     @property
+    def spread(self) -> bool:
+        """Whether the samples came from at least two requests, and at B = 1 (a sample: one request's
+        block) the latest of them gave `patience` samples itself."""
+        return self.requests >= 2 and (self.B > 1 or self.latest >= self.patience)
+
+    @property
+    def gain(self) -> float:
+        """The evidence's mean gain over AR steps net of the lumps, tokens per row a drafting step."""
+        return self.evidence.mean - self.lumps.mean
+
+    @property
     def losing(self) -> bool:
         """Whether the evidence says, with CONFIDENCE, that drafting steps commit fewer tokens than AR
-        steps in the same time."""
-        return self.evidence.upper() < 0.0
+        steps in the same time, counting what drafting paid around them (the lumps' mean over the same
+        steps)."""
+        return self.evidence.upper() - self.lumps.mean < 0.0
 
     def probe_price(self, behind: int = 0, cost: dict[float, float] | None = None) -> float:
         """Seconds a probe loses to an AR step at most: its step at the dearest budget the rule may pick
@@ -218,20 +238,22 @@ class SkipDrafting:
         earned = PROBE_SHARE * (1.0 - 1.0 / room) * cost[0.0]
         return max(self.probe_every, int(self.probe_price(behind, cost) / earned) + 1) << self.backoff
 
-    @property
-    def usual_overhead(self) -> float:
-        """Seconds drafting alone pays per drafting step around it, a long running mean (0 before any)."""
-        return self.overhead[0] / self.overhead[1] if self.overhead[1] > 0 else 0.0
-
-    def gain_over_ar(self, rec, overhead: float = 0.0) -> float:
+    def gain_over_ar(self, rec) -> float:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
-        1 + accepted / n_live - its seconds / an AR step's, its seconds being the table's for its rho
-        plus `overhead`, what drafting alone pays around a step (a draft made afresh when its rows
-        changed, the catch-up of the drafter's context, the drafter's context of admitted prompts; observe
-        passes their running rate). What the step realized, not what it was predicted to: the rule picks
-        the rho whose prediction is highest, so the picked prediction runs high, most where drafting is
-        near break-even (docs/method.md, "Skipping drafting")."""
-        return 1.0 + rec.accepted / max(rec.n_live, 1) - (self.seconds(True, rec.rho) + overhead) / self.seconds(False)
+        1 + accepted / n_live - its seconds / an AR step's, its seconds being the table's for its rho.
+        What the step realized, not what it was predicted to: the rule picks the rho whose prediction
+        is highest, so the picked prediction runs high, most where drafting is near break-even
+        (docs/method.md, "Skipping drafting"). What drafting paid around the step is kept apart
+        (lump_over_ar)."""
+        return 1.0 + rec.accepted / max(rec.n_live, 1) - self.seconds(True, rec.rho) / self.seconds(False)
+
+    def lump_over_ar(self, rec) -> float:
+        """Tokens per live row AR steps would commit in the seconds drafting alone paid around a
+        drafting step: a draft made afresh when its rows changed, the drafter's context of prompts
+        admitted since the last drafting step, and the catch-up of the drafter's context (a probe's own
+        is left to the probe budget)."""
+        lump = rec.redraft + rec.prompt_context + (rec.catchup if self.state != "probing" else 0.0)
+        return lump / self.seconds(False)
 
     def draft_now(self, behind: int = 0, n_live: int | None = None, usable: int | None = None) -> bool:
         """Whether this step drafts; behind: the positions a draft would first catch up; n_live,
@@ -254,16 +276,16 @@ class SkipDrafting:
             return  # rows that could not pay even at full acceptance say nothing about drafting here, and
             #         the profiler's timed steps repeat one state of rows that do not advance
         self.requests = max(self.requests + rec.admitted, rec.n_live)  # the requests the samples came from
+        self.latest = 1 if rec.admitted else self.latest + 1
         if rec.rho > 0:
             self.accepted = [ACCEPTED_DECAY * self.accepted[0] + rec.accepted,
                              ACCEPTED_DECAY * self.accepted[1] + rec.n_live]
-        lump = rec.redraft + rec.prompt_context + (rec.catchup if self.state != "probing" else 0.0)
-        self.overhead = [OVERHEAD_DECAY * self.overhead[0] + lump, OVERHEAD_DECAY * self.overhead[1] + 1.0]
         # A step with few live rows (a batch's tail, where each keeps more of the budget) counts for
         # what it commits: its gain per row is weighted by its share of the batch's rows.
-        self.evidence.add(self.gain_over_ar(rec, self.usual_overhead) * rec.n_live / self.B)
+        self.evidence.add(self.gain_over_ar(rec) * rec.n_live / self.B)
+        self.lumps.add(self.lump_over_ar(rec) * rec.n_live / self.B)
         self.drafting_steps += 1
-        if self.state == "drafting" and self.drafting_steps >= self.patience and self.requests >= 2 and self.losing:
+        if self.state == "drafting" and self.drafting_steps >= self.patience and self.spread and self.losing:
             self.state = "off"
         elif self.state == "probing":
             self.state = "off" if self.losing else "drafting"

@@ -115,16 +115,17 @@ def test_lockstep_passes_take_one_step_of_each_engine_in_turn():
 def test_interleaved_passes_rotate_the_order_of_the_policies(tmp_path, monkeypatch):
     """Without --lockstep the timed passes run policy after policy, the order rotating from pass to
     pass, so each policy follows each other one alike (the first steps after another policy's pass
-    run slow on a CPU)."""
+    run slow on a CPU). The warm-up passes run other prompts than the timed passes start with."""
     hf = make_model(tmp_path / "target", "llama")
     make_drafter(tmp_path / "drafter", hf.config)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": [3 + i, 5, 7, 9]}) + "\n" for i in range(4)))
-    order = []
+    order, firsts = [], []
     real_generate = bench.Engine.generate
 
     def generate(self, prompts, max_new_tokens, *a, **kw):
         order.append(self.policy.label)
+        firsts.append(prompts[0][0])
         return real_generate(self, prompts, max_new_tokens, *a, **kw)
     monkeypatch.setattr(bench.Engine, "generate", generate)
     assert bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
@@ -132,6 +133,9 @@ def test_interleaved_passes_rotate_the_order_of_the_policies(tmp_path, monkeypat
                        "--max-new-tokens", "4", "--repeats", "3", "--no-compile", "--threads", "1",
                        "--output", str(tmp_path / "b.json")]) == 0
     assert order[3:] == ["ar", "full", "static:0.5", "full", "static:0.5", "ar", "static:0.5", "ar", "full"]
+    # the warm-up passes run the last B = 2 prompts (16 made of the 4 repeated: the 15th starts with
+    # 3 + 2), the timed passes start with the first (3): dcut's first two requests are not one prompt
+    assert firsts[:3] == [5] * 3 and firsts[3:] == [3] * 9
 
 
 def test_lockstep_bench_runs_each_policy_on_its_own_models(tmp_path, monkeypatch):

@@ -325,21 +325,42 @@ def test_only_a_step_of_drafting_that_is_on_drafts_the_next_block_ahead():
 def test_a_draft_made_afresh_counts_against_drafting():
     """A step whose rows changed drafts afresh and then ahead: the table entry it refines keeps one
     draft, but the controller charges drafting for the other (StepRecord.redraft) too, with the catch-up
-    and the prompts' context: at their running rate per drafting step."""
+    and the prompts' context: kept apart from the samples, as their own mean over the same steps (the
+    evidence's weights), which the decision subtracts."""
     s = skip(steep_table(), 16)  # rho .25 costs 1.6 AR steps
     steady = drafting(16, 0.25, 16.0, seconds=1.6)
-    assert s.gain_over_ar(steady) == pytest.approx(1 + 1 - 1.6)
-    assert s.gain_over_ar(steady, overhead=0.5) == pytest.approx(1 + 1 - 2.1)
-    s.observe(dataclasses.replace(steady, redraft=0.2, catchup=0.2, prompt_context=0.2))
-    assert s.usual_overhead == pytest.approx(0.6) and s.evidence.mean == pytest.approx(1 + 1 - 2.2)
-    s.observe(steady)  # no lump this step: the rate falls, the second sample pays its share of the first's
-    assert s.usual_overhead == pytest.approx(0.6 * 0.995 / 1.995)
-    assert s.evidence.sums[1] == pytest.approx(0.98 * (2 - 2.2) + 2 - 1.6 - s.usual_overhead)
+    lumpy = dataclasses.replace(steady, redraft=0.2, catchup=0.2, prompt_context=0.2)
+    assert s.gain_over_ar(steady) == s.gain_over_ar(lumpy) == pytest.approx(1 + 1 - 1.6)
+    assert s.lump_over_ar(lumpy) == pytest.approx(0.6) and s.lump_over_ar(steady) == 0.0
+    s.observe(lumpy)
+    assert s.gain == pytest.approx(1 + 1 - 1.6 - 0.6)
+    s.observe(steady)  # no lump this step: the first one's 0.6 over both steps, by their weights
+    assert s.lumps.mean == pytest.approx(0.98 * 0.6 / (0.98 + 1))
+    assert s.gain == pytest.approx(0.4 - 0.98 * 0.6 / 1.98)
+    assert s.evidence.upper() - s.lumps.mean == pytest.approx(
+        s.evidence.upper() - 0.98 * 0.6 / 1.98)  # the bound the decision reads
+
+
+def test_a_runs_first_lump_is_paid_once_over_its_first_steps():
+    """A run's first drafting step pays the first prompt's context (2 AR steps); the next three pay
+    nothing. Over the four, drafting paid 2 AR steps: the decision charges their weighted mean, about
+    0.5 a step. Charged at the rate so far to each sample as it came (2, 1, 2/3, 1/2), the four would
+    have paid 4.2 AR steps, twice what they did."""
+    s = skip(steep_table(), 16)
+    first = dataclasses.replace(drafting(16, 0.25, 16.0), prompt_context=2.0)
+    s.observe(first)
+    for _ in range(3):
+        s.observe(drafting(16, 0.25, 16.0))
+    w = [0.98 ** 3, 0.98 ** 2, 0.98, 1.0]
+    assert s.lumps.mean == pytest.approx(2.0 * w[0] / sum(w))
+    assert s.lumps.mean * 4 == pytest.approx(2.0, rel=0.05)
+    assert s.gain == pytest.approx(1 + 1 - 1.6 - 2.0 * w[0] / sum(w))
 
 
 def test_one_hard_request_cannot_switch_drafting_off_at_b_1():
     """Blocks of one request are not independent samples: at B = 1, eight poor steps of the first
-    request keep drafting on; the same evidence over a second request switches it off. At B = 4 the
+    request keep drafting on; the same evidence over a second request's first `patience` blocks switches
+    it off. At B = 4 the
     first step's four rows are four requests already."""
     s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1)
     s.observe(dataclasses.replace(drafting(1, 0.25, 0.0), admitted=1))
@@ -347,30 +368,53 @@ def test_one_hard_request_cannot_switch_drafting_off_at_b_1():
         s.observe(drafting(1, 0.25, 0.0))
     assert s.losing and s.state == "drafting" and s.requests == 1
     s.observe(dataclasses.replace(drafting(1, 0.25, 0.0), admitted=1))
-    assert s.requests == 2 and s.state == "off"
+    for _ in range(3):  # at B = 1 the second request gives `patience` samples of its own
+        assert s.requests == 2 and s.state == "drafting"
+        s.observe(drafting(1, 0.25, 0.0))
+    assert s.state == "off"
     s4 = skip(CostTable([4], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 4)
     for i in range(4):
         s4.observe(dataclasses.replace(drafting(4, 0.25, 0.0), admitted=4 if i == 0 else 0))
     assert s4.requests == 4 and s4.state == "off"
 
 
-def test_a_probe_after_an_admission_is_charged_the_prompts_context_at_its_rate_not_whole():
-    """B = 1, where drafting commits three tokens a step for 1.3 AR steps. Four poor first steps turned
-    drafting off; the probe lands on the first block of a newly admitted request, whose prompt's
-    context for the drafter cost 3 AR steps. Charged whole, that probe would lose (3 - 1.3 - 3.5 < 0)
-    and keep drafting off where it doubles the tokens per second; at the lumps' running rate it wins,
-    and drafting is on again. Its catch-up of the positions skipped while off is the probe budget's."""
-    s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1)
-    for i in range(4):  # two requests, one after the other
+def test_a_probe_after_an_admission_is_charged_the_prompts_context_over_the_steps_not_whole():
+    """B = 1, where drafting commits three tokens a step for 1.3 AR steps. Four poor first steps (two
+    requests) turned drafting off; the probe lands on the first block of a newly admitted request, whose
+    prompt's context for the drafter cost 3 AR steps. Charged whole to the probe's sample, that probe
+    would lose (3 - 1.3 - 3 < 0) and keep drafting off where it doubles the tokens per second; as the
+    lumps' mean over the steps the evidence remembers it wins, and drafting is on again. Its catch-up
+    of the positions skipped while off is the probe budget's, not a lump."""
+    s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1, patience=2)
+    for i in range(4):  # two requests, one after the other, two steps each
         assert s.draft_now()
         s.observe(dataclasses.replace(drafting(1, 0.25, 0.0), admitted=int(i in (0, 2))))
     assert s.state == "off"
     s.state, s.skipped = "probing", 0  # a probe is due
     probe = dataclasses.replace(drafting(1, 0.25, 2.0), prompt_context=3.0, catchup=0.5, caught_up=50)
-    assert s.gain_over_ar(probe, overhead=3.5) < 0
+    assert s.gain_over_ar(probe) - s.lump_over_ar(probe) < 0 and s.lump_over_ar(probe) == pytest.approx(3.0)
     s.observe(probe)
-    assert s.usual_overhead == pytest.approx(3.0 / (1 + 0.995 + 0.995 ** 2 + 0.995 ** 3 + 0.995 ** 4))
+    w = [0.98 ** 4, 0.98 ** 3, 0.98 ** 2, 0.98, 1.0]
+    assert s.lumps.mean == pytest.approx(3.0 / sum(w))
     assert s.state == "drafting" and s.failed_probes == 0
+
+
+def test_at_b_1_the_latest_request_must_give_patience_samples_itself():
+    """B = 1: a hard first request (sixteen poor blocks) and one poor block of the next cannot switch
+    drafting off; the next request's fourth poor block can. A good second request keeps it on."""
+    def run(second):
+        s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1)
+        for i in range(16):
+            s.observe(dataclasses.replace(drafting(1, 0.25, 0.0), admitted=int(i == 0)))
+        states = []
+        for i, acc in enumerate(second):
+            s.observe(dataclasses.replace(drafting(1, 0.25, 0.0, accepted=acc), admitted=int(i == 0)))
+            states.append(s.state)
+        return s, states
+    s, states = run([0, 0, 0, 0])
+    assert s.requests == 2 and states == ["drafting", "drafting", "drafting", "off"]
+    s, states = run([3, 3, 3, 3, 3, 3])
+    assert states == ["drafting"] * 6 and s.losing is False
 
 
 def test_losing_probes_pile_up_so_one_lucky_probe_does_not_turn_drafting_on():
