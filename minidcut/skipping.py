@@ -20,8 +20,8 @@ for all of its blocks. So the samples that switch drafting off must come from mo
 and at B = 1, where each sample is one request's, the latest request must have given `patience` of
 them itself: a hard first request followed by one block of the next cannot switch drafting off (on the
 demo pair the bench's first request accepted about one draft a step for 16 steps, where the prompts
-after it accept two to three and drafting wins 1.35x; the second request's first block switched
-drafting off in 3 of 10 runs).
+after it accept two to three and drafting wins 1.35x; in traced runs the second request's first block
+switched drafting off, and 3 of 10 bench runs then ran mostly AR steps).
 
 Drafting is the default and off the decision that needs evidence: a handful of poor first steps on a
 noisy machine (single steps spread 30 % on a 2-core CPU) does not switch it off unless they are
@@ -51,8 +51,8 @@ exactly the lumps it paid over the steps the evidence remembers, and one lump ca
 Charged whole to the sample it falls on, a probe at B = 1 after an admission would carry the whole
 prompt's context and lose where drafting doubles the tokens per second; charged to each sample at the
 rate so far, a run's first samples would each carry the first prompt's whole context over the few
-steps seen (the k-th a 1 / k share, the first four together twice what they paid), enough to switch
-drafting off at B = 1 on the demo pair where it wins 1.35x. A probe's own catch-up, of the positions
+steps seen (the k-th a 1 / k share, the first four together twice what they paid, the first sixteen
+3.4 times), and stay in the evidence for its memory. A probe's own catch-up, of the positions
 skipped while drafting was off, is the price of having been off: the probe budget pays it (below), and
 the lumps leave it out.
 
