@@ -12,8 +12,13 @@ explicit state:
              what drafting paid around its steps (the lumps, below), lies below zero, after at
              least `patience` drafting steps over at least two requests.
   off        AR steps. A probe runs once the AR steps since drafting went off have earned its price.
-  probing    one drafting step; its sample joins the evidence, and drafting is on again unless the
-             evidence still says, with the same confidence, that drafting loses.
+  probing    one drafting step; its sample joins the evidence, and drafting is on again once the
+             evidence's mean gain (net of the lumps) is above zero: off on confidence that drafting
+             loses, on again on the best estimate that it wins (hysteresis). Going back on at the bound
+             alone would undo most switch-offs at once: drafting goes off the step the bound crosses
+             zero, so the next sample above the mean lifts it back (traced at B = 4 on the demo pair,
+             where drafting loses 15-20 %: probes turned drafting on with mean gains of -0.6 and -0.2
+             tokens a row, and it ran on for 30 and 200 steps).
 
 Successive blocks of one request are not independent samples: a prompt the drafter finds hard is hard
 for all of its blocks. So the samples that switch drafting off must come from more than one request,
@@ -25,8 +30,10 @@ switched drafting off, and 3 of 10 bench runs then ran mostly AR steps).
 
 Drafting is the default and off the decision that needs evidence: a handful of poor first steps on a
 noisy machine (single steps spread 30 % on a 2-core CPU) does not switch it off unless they are
-consistently poor, and where it does go off, the first probe that does well turns it back on. Where
-drafting clearly loses, the bound stays far below zero and a lucky probe changes nothing.
+consistently poor. Where it does go off wrongly, probes that win pull the mean up: each moves it by
+its gain over the evidence's weight, so after k poor samples of gain -g, probes of gain +h turn
+drafting on within about k * g / h of them. Where drafting loses, the mean stays below zero and a
+lucky probe changes nothing.
 
 Probes are paid from a budget set by the room to win: the tokens per second the best budget would
 commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5 at B = 64). Drafting
@@ -35,7 +42,8 @@ AR step; each AR step while off earns PROBE_SHARE of that toward the next probe,
 those earnings pay its price (never sooner than probe_every steps). Each probe in a row that leaves
 drafting off doubles that period (an exponential backoff, at most MAX_BACKOFF times: where drafting
 keeps losing, probes thin out geometrically, so their cost over a run grows with its logarithm); one
-that turns drafting on resets it. Where drafting never pays, probing thus costs at most PROBE_SHARE *
+that turns drafting on resets it, and one whose own step won without turning drafting on (the mean is
+still below zero, but rising) leaves the period as it was. Where drafting never pays, probing thus costs at most PROBE_SHARE *
 (1 - 1 / room) of the run (under PROBE_SHARE at any room, about a third of it at room 1.5), and less as
 the backoff grows; where it might win much, the first probe comes soon. A probe's price is a drafting
 step at the dearest budget the rule may pick, less what drafting usually commits (a long running
@@ -136,7 +144,7 @@ class SkipDrafting:
         self.skipped = 0  # AR steps since drafting went off
         self.catchup_per_position = 0.0  # seconds the last catch-up of the drafter's context took a position
         self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
-        self.failed_probes = 0  # probes in a row that left drafting off (backoff)
+        self.failed_probes = 0  # losing probes since drafting was last on (backoff)
         self.lumps = Evidence()  # what drafting alone paid around each drafting step, tokens per row
         self.requests = 0  # requests the samples came from (live rows of the first, then admissions)
         self.latest = 0  # samples since the last admission (at B = 1: of the latest request)
@@ -223,8 +231,8 @@ class SkipDrafting:
 
     @property
     def backoff(self) -> int:
-        """How many times the probe period doubles: once per probe in a row that left drafting off (at
-        most MAX_BACKOFF times), none once a probe turns drafting on."""
+        """How many times the probe period doubles: once per losing probe since drafting was last on
+        (at most MAX_BACKOFF times), none once a probe turns drafting on."""
         return min(self.failed_probes, MAX_BACKOFF)
 
     def probe_period(self, behind: int = 0, cost: dict[float, float] | None = None) -> int:
@@ -288,7 +296,8 @@ class SkipDrafting:
         if self.state == "drafting" and self.drafting_steps >= self.patience and self.spread and self.losing:
             self.state = "off"
         elif self.state == "probing":
-            self.state = "off" if self.losing else "drafting"
-            self.failed_probes = self.failed_probes + 1 if self.state == "off" else 0
+            self.state = "drafting" if self.gain > 0.0 else "off"
+            won = self.gain_over_ar(rec) > 0.0  # the probe's own step beat AR steps in its seconds
+            self.failed_probes = 0 if self.state == "drafting" else self.failed_probes + (not won)
         if self.state == "off":
             self.skipped = 0

@@ -213,24 +213,56 @@ def test_a_probe_that_turns_drafting_on_resets_the_backoff():
     assert s.state == "drafting" and s.backoff == 0
 
 
-def test_skip_drafting_turns_back_on_when_a_probe_finds_a_budget_worth_verifying():
+def test_winning_probes_turn_drafting_back_on_once_the_mean_gain_is_above_zero():
     """B = 16, steep table: a drafting step at rho = 0.25 costs 1.6 AR steps. Eight steps that kept
-    nothing lose 0.6 AR-step tokens per row each: drafting goes off. A probe that commits 1 + 40 / 16 =
-    3.5 tokens per row (1.9 more than AR steps in its time) leaves the evidence no longer sure that
-    drafting loses: drafting is back on. A probe that barely pays (1 + 12 / 16 = 1.75, +0.15) leaves
-    it sure: drafting stays off."""
-    def after_probe(predicted):
+    nothing lose 0.6 AR-step tokens per row each: drafting goes off. Probes that commit 1 + 40 / 16 =
+    3.5 tokens per row (1.9 more than AR steps in their time) pull the mean up by their weight: the
+    first two leave it below zero, the third lifts it above, and drafting is on again. They won, so the
+    probe period does not back off. Probes that barely pay (1 + 12 / 16 = 1.75, +0.15)
+    need about 8 * 0.6 / 0.15 of them; probes that lose double the period each time."""
+    def probes(predicted, n):
         s = skip(steep_table(), 16, patience=8, probe_every=3)
         for _ in range(8):
             s.draft_now()
             s.observe(drafting(16, 0.0, 0.1))
-        while not s.draft_now():
-            s.observe(ar_step(16))
-        assert s.state == "probing"
-        s.observe(drafting(16, 0.25, predicted))
-        return s.state
-    assert after_probe(40.0) == "drafting"
-    assert after_probe(12.0) == "off"
+        assert s.state == "off" and s.gain == pytest.approx(-0.6)
+        states, backoffs = [], []
+        for _ in range(n):
+            while not s.draft_now():
+                s.observe(ar_step(16))
+            assert s.state == "probing"
+            s.observe(drafting(16, 0.25, predicted))
+            states.append(s.state)
+            backoffs.append(s.backoff)
+        return states, backoffs, s
+    w = [0.98 ** i for i in range(11)]  # weights, newest first
+    k = next(k for k in range(1, 4) if 1.9 * sum(w[:k]) - 0.6 * sum(w[k:k + 8]) > 0)
+    states, backoffs, s = probes(40.0, k)
+    assert k == 3 and states == ["off", "off", "drafting"] and backoffs == [0, 0, 0]
+    states, backoffs, s = probes(12.0, 8)
+    assert states == ["off"] * 8 and backoffs == [0] * 8 and s.gain < 0
+    states, backoffs, s = probes(0.0, 3)
+    assert states == ["off"] * 3 and backoffs == [1, 2, 3]
+
+
+def test_a_probe_above_the_mean_does_not_undo_a_switch_off():
+    """Drafting goes off on the step the bound crosses zero, so the bound sits just below zero there: a
+    probe above the samples' mean lifts it back above zero. On the bound alone drafting would be on again
+    at once (traced at B = 4 on the demo pair: probes turned it on with mean gains of -0.6 and -0.2 tokens
+    a row, and it drafted on for 30 and 200 steps where it lost 15-20 %). On the mean, it stays off."""
+    s = skip(CostTable([4], RHOS, [[1.0, 3.0, 3.2, 3.4, 3.6]]), 4)  # break-even: 2 accepted drafts a row
+    accepted = [4, 12, 2, 9, 3, 10, 1, 8, 5, 6, 2, 7, 4, 11, 3, 6]  # 1.5 a row on average: gain -0.5
+    i = 0
+    while s.state == "drafting":
+        assert s.draft_now()
+        s.observe(drafting(4, 0.25, 0.0, accepted=accepted[i % len(accepted)]))
+        i += 1
+    assert s.evidence.upper() - s.lumps.mean < 0 and s.gain < 0
+    while not s.draft_now():
+        s.observe(ar_step(4))
+    s.observe(drafting(4, 0.25, 0.0, accepted=10))  # 2.5 a row: +0.5, well above the mean
+    assert s.evidence.upper() - s.lumps.mean > 0  # no longer sure that drafting loses...
+    assert s.gain < 0 and s.state == "off" and s.backoff == 0  # ...but it most likely does: off, no backoff
 
 
 def test_policy_never_drafts_where_the_table_says_even_perfect_drafts_cannot_beat_ar():
@@ -382,9 +414,10 @@ def test_a_probe_after_an_admission_is_charged_the_prompts_context_over_the_step
     """B = 1, where drafting commits three tokens a step for 1.3 AR steps. Four poor first steps (two
     requests) turned drafting off; the probe lands on the first block of a newly admitted request, whose
     prompt's context for the drafter cost 3 AR steps. Charged whole to the probe's sample, that probe
-    would lose (3 - 1.3 - 3 < 0) and keep drafting off where it doubles the tokens per second; as the
-    lumps' mean over the steps the evidence remembers it wins, and drafting is on again. Its catch-up
-    of the positions skipped while off is the probe budget's, not a lump."""
+    would lose (3 - 1.3 - 3 < 0) and back the next probe off; as the lumps' mean over the steps the
+    evidence remembers, its own step won (no backoff), and the lump's share falls with every step after
+    it: the third probe turns drafting on again (the mean net of the lumps: -0.51, -0.12, +0.15). Its
+    catch-up of the positions skipped while off is the probe budget's, not a lump."""
     s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1, patience=2)
     for i in range(4):  # two requests, one after the other, two steps each
         assert s.draft_now()
@@ -396,7 +429,13 @@ def test_a_probe_after_an_admission_is_charged_the_prompts_context_over_the_step
     s.observe(probe)
     w = [0.98 ** 4, 0.98 ** 3, 0.98 ** 2, 0.98, 1.0]
     assert s.lumps.mean == pytest.approx(3.0 / sum(w))
-    assert s.state == "drafting" and s.failed_probes == 0
+    gains = [s.gain]
+    while s.state == "off":
+        assert s.failed_probes == 0
+        s.state, s.skipped = "probing", 0
+        s.observe(drafting(1, 0.25, 2.0))
+        gains.append(s.gain)
+    assert [round(g, 2) for g in gains] == [-0.51, -0.12, 0.15] and s.state == "drafting"
 
 
 def test_at_b_1_the_latest_request_must_give_patience_samples_itself():
@@ -421,7 +460,7 @@ def test_losing_probes_pile_up_so_one_lucky_probe_does_not_turn_drafting_on():
     """B = 16, steep table: rho = 0.25 costs 1.6 AR steps. Drafting went off and ten probes since each
     committed 1.25 tokens a row (0.35 fewer than AR steps in their time): the evidence says drafting
     loses, so a probe that commits 2.5 tokens a row (+0.9) leaves drafting off. Such probes in a row (the
-    prompts changed) turn it on within three."""
+    prompts changed) turn it on at the fourth: twelve samples at -0.35 outweigh three at +0.9."""
     s = skip(steep_table(), 16, patience=2)
     for _ in range(2):
         assert s.draft_now()
@@ -439,7 +478,9 @@ def test_losing_probes_pile_up_so_one_lucky_probe_does_not_turn_drafting_on():
     states = [probe(24.0)]
     while states[-1] == "off":
         states.append(probe(24.0))
-    assert states[0] == "off" and len(states) <= 3
+    w = [0.98 ** i for i in range(20)]  # newest first
+    k = next(k for k in range(1, 8) if 0.9 * sum(w[:k]) - 0.35 * sum(w[k:k + 12]) > 0)
+    assert states[0] == "off" and len(states) == k == 4
 
 
 def test_the_bound_is_students_t_on_the_weighted_samples():
@@ -466,8 +507,9 @@ def test_drafting_stays_on_where_it_pays_even_if_its_first_steps_are_poor():
     """B = 4, a drafting step costs 3.0-3.6 AR steps (break-even: 2 accepted drafts a row). The first
     four steps accept 1.5 +- 1 a row (a noisy machine's first steps on fresh prompts), every later one 4:
     four poor steps are no evidence at 90 %, and drafting runs on all of 300 steps. Eight poor steps
-    are: drafting goes off for one probe period (the probe budget's, as the docs price it), and the
-    first probe turns it back on for good. The profiler's timed steps (one state, repeated) do not
+    are: drafting goes off for a probe period (the probe budget's, as the docs price it); the first
+    probe wins but leaves the mean below zero, so it does not back off, and the second, a shorter period
+    later (drafting now usually gets more accepted), turns drafting back on for good. The profiler's timed steps (one state, repeated) do not
     count toward the decision."""
     def run(first):
         s = skip(CostTable([4], RHOS, [[1.0, 3.0, 3.2, 3.4, 3.6]]), 4)
@@ -488,13 +530,15 @@ def test_drafting_stays_on_where_it_pays_even_if_its_first_steps_are_poor():
     drafted, periods = run([2, 10, 4, 8, 2, 6, 4, 8])
     off = [i for i, d in enumerate(drafted) if not d]
     k = off[0]  # drafting steps before it went off (poor ones: k <= 8)
-    assert len(periods) == 1 and 4 <= k <= 8 and off == list(range(k, k + periods[0] - 1))  # one stretch off, then on
-    first = [2, 10, 4, 8, 2, 6, 4, 8][:k]
-    w = [0.995 ** (k - 1 - i) for i in range(k)]  # ACCEPTED_DECAY per drafting step
-    usual = sum(wi * a for wi, a in zip(w, first)) / (4 * sum(w))
-    price = 3.6 - (1 + usual)  # the dearest step less what drafting usually commits
-    assert periods[0] == period(price, (4 + 60) / 3.6 / 4)  # rho = 1 at full acceptance is the best
-    assert periods[0] < 100  # drafting pays 1.4-1.7x here: the budget brings the probe well inside the run
+    assert len(periods) == 2 and 4 <= k <= 8  # off, a probe that won but left the mean below zero, on
+    assert off == list(range(k, k + periods[0] - 1)) + list(range(k + periods[0], k + sum(periods) - 1))
+    for j, p in enumerate(periods):  # each period as the docs price it, on what drafting usually gets
+        accepted = [2, 10, 4, 8, 2, 6, 4, 8][:k] + [16] * j
+        w = [0.995 ** (len(accepted) - 1 - i) for i in range(len(accepted))]  # ACCEPTED_DECAY a step
+        usual = sum(wi * a for wi, a in zip(w, accepted)) / (4 * sum(w))
+        price = 3.6 - (1 + usual)  # the dearest step less what drafting usually commits
+        assert p == period(price, (4 + 60) / 3.6 / 4)  # rho = 1 at full acceptance is the best
+    assert sum(periods) < 150  # drafting pays 1.4-1.7x here: the budget brings the probes well inside the run
 
 
 def test_steps_with_few_live_rows_weigh_what_they_commit():
