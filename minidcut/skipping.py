@@ -18,7 +18,12 @@ explicit state:
              alone would undo most switch-offs at once: drafting goes off the step the bound crosses
              zero, so the next sample above the mean lifts it back (traced at B = 4 on the demo pair,
              where drafting loses 15-20 %: probes turned drafting on with mean gains of -0.6 and -0.2
-             tokens a row, and it ran on for 30 and 200 steps).
+             tokens a row, and it ran on for 30 and 200 steps). The probes since drafting went off are
+             also kept on their own: once they say, with CONFIDENCE, that drafting wins (the lower
+             bound of their mean, net of their lumps, above zero), the workload has changed, and they
+             replace the evidence: samples of requests long gone cannot outvote new ones that clearly
+             win (at B = 1 a hard request's fifty blocks would take a dozen winning probes to outweigh,
+             with the probes 16 steps apart or more).
 
 Successive blocks of one request are not independent samples: a prompt the drafter finds hard is hard
 for all of its blocks. So the samples that switch drafting off must come from more than one request,
@@ -87,7 +92,8 @@ ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 draft
 
 MAX_BACKOFF = 6  # the probe period doubles at most this often (64x)
 STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted",
-         "failed_probes", "lumps", "requests", "latest")  # what is saved
+         "failed_probes", "lumps", "requests", "latest", "probes", "probe_lumps")  # what is saved
+EVIDENCE = ("evidence", "lumps", "probes", "probe_lumps")  # saved as their sums
 
 
 def t_quantile(p: float, df: float) -> float:
@@ -123,14 +129,23 @@ class Evidence:
         w, wx, _, _ = self.sums
         return wx / w if w > 0 else 0.0
 
-    def upper(self, confidence: float = CONFIDENCE) -> float:
-        """One-sided upper confidence bound of the mean (inf with one sample: no spread to go by)."""
+    def margin(self, confidence: float = CONFIDENCE) -> float:
+        """Half-width of the one-sided confidence bound of the mean (inf with one sample: no spread to
+        go by)."""
         w, wx, wxx, ww = self.sums
         n = self.n
         if n < 1.5:  # two samples weigh n = 1.9998 (their weights differ by RUN_DECAY)
             return float("inf")
         var = max(0.0, wxx / w - self.mean ** 2) * n / (n - 1)  # unbiased for reliability weights
-        return self.mean + t_quantile(confidence, n - 1) * math.sqrt(var / n)
+        return t_quantile(confidence, n - 1) * math.sqrt(var / n)
+
+    def upper(self, confidence: float = CONFIDENCE) -> float:
+        """One-sided upper confidence bound of the mean."""
+        return self.mean + self.margin(confidence)
+
+    def lower(self, confidence: float = CONFIDENCE) -> float:
+        """One-sided lower confidence bound of the mean."""
+        return self.mean - self.margin(confidence)
 
 
 class SkipDrafting:
@@ -148,6 +163,7 @@ class SkipDrafting:
         self.lumps = Evidence()  # what drafting alone paid around each drafting step, tokens per row
         self.requests = 0  # requests the samples came from (live rows of the first, then admissions)
         self.latest = 0  # samples since the last admission (at B = 1: of the latest request)
+        self.probes, self.probe_lumps = Evidence(), Evidence()  # the probes' samples and lumps since drafting went off
 
     @property
     def cost(self) -> dict[float, float]:
@@ -173,7 +189,7 @@ class SkipDrafting:
 
     @property
     def state_dict(self) -> dict:
-        return {k: getattr(self, k).sums if k in ("evidence", "lumps") else getattr(self, k) for k in STATE}
+        return {k: getattr(self, k).sums if k in EVIDENCE else getattr(self, k) for k in STATE}
 
     def load_state(self, saved: dict) -> None:
         """Continue from a saved state_dict (KeyError / ValueError / TypeError if it is not one). A
@@ -191,6 +207,8 @@ class SkipDrafting:
         self.lumps = Evidence(saved.get("lumps", (0.0, 0.0, 0.0, 0.0)))  # states saved before it: none yet
         self.requests = int(saved.get("requests", 2))  # states saved before it decided with more
         self.latest = int(saved.get("latest", self.patience))
+        self.probes = Evidence(saved.get("probes", (0.0, 0.0, 0.0, 0.0)))
+        self.probe_lumps = Evidence(saved.get("probe_lumps", (0.0, 0.0, 0.0, 0.0)))
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:
         """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
@@ -290,14 +308,20 @@ class SkipDrafting:
                              ACCEPTED_DECAY * self.accepted[1] + rec.n_live]
         # A step with few live rows (a batch's tail, where each keeps more of the budget) counts for
         # what it commits: its gain per row is weighted by its share of the batch's rows.
-        self.evidence.add(self.gain_over_ar(rec) * rec.n_live / self.B)
-        self.lumps.add(self.lump_over_ar(rec) * rec.n_live / self.B)
+        x, lump = self.gain_over_ar(rec) * rec.n_live / self.B, self.lump_over_ar(rec) * rec.n_live / self.B
+        self.evidence.add(x)
+        self.lumps.add(lump)
         self.drafting_steps += 1
         if self.state == "drafting" and self.drafting_steps >= self.patience and self.spread and self.losing:
             self.state = "off"
+            self.probes, self.probe_lumps = Evidence(), Evidence()
         elif self.state == "probing":
+            self.probes.add(x)
+            self.probe_lumps.add(lump)
+            if self.probes.lower() - self.probe_lumps.mean > 0.0:  # the workload changed: the probes
+                self.evidence, self.lumps = Evidence(self.probes.sums), Evidence(self.probe_lumps.sums)
             self.state = "drafting" if self.gain > 0.0 else "off"
-            won = self.gain_over_ar(rec) > 0.0  # the probe's own step beat AR steps in its seconds
+            won = x > 0.0  # the probe's own step beat AR steps in its seconds
             self.failed_probes = 0 if self.state == "drafting" else self.failed_probes + (not won)
         if self.state == "off":
             self.skipped = 0

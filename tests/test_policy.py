@@ -216,10 +216,12 @@ def test_a_probe_that_turns_drafting_on_resets_the_backoff():
 def test_winning_probes_turn_drafting_back_on_once_the_mean_gain_is_above_zero():
     """B = 16, steep table: a drafting step at rho = 0.25 costs 1.6 AR steps. Eight steps that kept
     nothing lose 0.6 AR-step tokens per row each: drafting goes off. Probes that commit 1 + 40 / 16 =
-    3.5 tokens per row (1.9 more than AR steps in their time) pull the mean up by their weight: the
-    first two leave it below zero, the third lifts it above, and drafting is on again. They won, so the
-    probe period does not back off. Probes that barely pay (1 + 12 / 16 = 1.75, +0.15)
-    need about 8 * 0.6 / 0.15 of them; probes that lose double the period each time."""
+    3.5 tokens per row (1.9 more than AR steps in their time) pull the evidence's mean up by their
+    weight, so the third would lift it above zero; but two such probes already say on their own, with
+    90 % confidence, that drafting wins now, and replace the evidence: drafting is on after the second.
+    They won, so the probe period does not back off. Noisy probes that barely pay (+0.15 on average,
+    -0.35 and +0.65 in turn) say nothing with confidence over eight probes and leave the mean below
+    zero; probes that lose double the period each time."""
     def probes(predicted, n):
         s = skip(steep_table(), 16, patience=8, probe_every=3)
         for _ in range(8):
@@ -227,21 +229,24 @@ def test_winning_probes_turn_drafting_back_on_once_the_mean_gain_is_above_zero()
             s.observe(drafting(16, 0.0, 0.1))
         assert s.state == "off" and s.gain == pytest.approx(-0.6)
         states, backoffs = [], []
-        for _ in range(n):
+        for i in range(n):
             while not s.draft_now():
                 s.observe(ar_step(16))
             assert s.state == "probing"
-            s.observe(drafting(16, 0.25, predicted))
+            s.observe(drafting(16, 0.25, predicted[i % len(predicted)]))
             states.append(s.state)
             backoffs.append(s.backoff)
         return states, backoffs, s
     w = [0.98 ** i for i in range(11)]  # weights, newest first
     k = next(k for k in range(1, 4) if 1.9 * sum(w[:k]) - 0.6 * sum(w[k:k + 8]) > 0)
-    states, backoffs, s = probes(40.0, k)
-    assert k == 3 and states == ["off", "off", "drafting"] and backoffs == [0, 0, 0]
-    states, backoffs, s = probes(12.0, 8)
-    assert states == ["off"] * 8 and backoffs == [0] * 8 and s.gain < 0
-    states, backoffs, s = probes(0.0, 3)
+    assert k == 3  # the mean alone
+    states, backoffs, s = probes([38.0, 42.0], 2)
+    assert states == ["off", "drafting"] and backoffs == [0, 0]
+    assert s.evidence.n == pytest.approx(1.98 ** 2 / (1 + 0.98 ** 2))  # the two probes' samples alone
+    states, backoffs, s = probes([4.0, 20.0], 8)
+    assert states == ["off"] * 8 and s.gain < 0 and s.probes.lower() < 0
+    assert backoffs == [1, 1, 2, 2, 3, 3, 4, 4]  # the losing ones (-0.35) back off, the winning ones do not
+    states, backoffs, s = probes([0.0], 3)
     assert states == ["off"] * 3 and backoffs == [1, 2, 3]
 
 
@@ -414,10 +419,11 @@ def test_a_probe_after_an_admission_is_charged_the_prompts_context_over_the_step
     """B = 1, where drafting commits three tokens a step for 1.3 AR steps. Four poor first steps (two
     requests) turned drafting off; the probe lands on the first block of a newly admitted request, whose
     prompt's context for the drafter cost 3 AR steps. Charged whole to the probe's sample, that probe
-    would lose (3 - 1.3 - 3 < 0) and back the next probe off; as the lumps' mean over the steps the
-    evidence remembers, its own step won (no backoff), and the lump's share falls with every step after
-    it: the third probe turns drafting on again (the mean net of the lumps: -0.51, -0.12, +0.15). Its
-    catch-up of the positions skipped while off is the probe budget's, not a lump."""
+    would lose (3 - 1.3 - 3 < 0) and back the next probe off; as a lump, its own step won (no backoff),
+    and the lump's share falls with every step after it: the second probe turns drafting on again, the
+    two probes saying with confidence that drafting wins net of their lumps (1.7 - 3 * 0.98 / 1.98)
+    and replacing the evidence (the mean net of the lumps: -0.51, then +0.22). Its catch-up of the
+    positions skipped while off is the probe budget's, not a lump."""
     s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1, patience=2)
     for i in range(4):  # two requests, one after the other, two steps each
         assert s.draft_now()
@@ -435,7 +441,8 @@ def test_a_probe_after_an_admission_is_charged_the_prompts_context_over_the_step
         s.state, s.skipped = "probing", 0
         s.observe(drafting(1, 0.25, 2.0))
         gains.append(s.gain)
-    assert [round(g, 2) for g in gains] == [-0.51, -0.12, 0.15] and s.state == "drafting"
+    assert [round(g, 2) for g in gains] == [-0.51, 0.22] and s.state == "drafting"
+    assert s.gain == pytest.approx(1.7 - 3.0 * 0.98 / 1.98)
 
 
 def test_at_b_1_the_latest_request_must_give_patience_samples_itself():
@@ -454,6 +461,29 @@ def test_at_b_1_the_latest_request_must_give_patience_samples_itself():
     assert s.requests == 2 and states == ["drafting", "drafting", "drafting", "off"]
     s, states = run([3, 3, 3, 3, 3, 3])
     assert states == ["drafting"] * 6 and s.losing is False
+
+
+def test_at_b_1_probes_that_clearly_win_outvote_the_blocks_of_requests_gone():
+    """B = 1, a drafting step costs 1.3 AR steps. Two hard requests (40 and 4 blocks, nothing accepted:
+    -0.3 a block) switch drafting off; the requests after them accept 1-3 drafts a block (+0.7 to +2.7).
+    Forty-four poor samples would take five such probes to outweigh on the mean (eighty AR steps at
+    least, where drafting wins 1.3-3x); three probes already say with confidence that drafting wins,
+    and drafting is on again at the third."""
+    s = skip(CostTable([1], RHOS, [[1.0, 1.3, 1.4, 1.5, 1.6]]), 1)
+    for i in range(44):
+        s.observe(dataclasses.replace(drafting(1, 0.25, 0.0), admitted=int(i in (0, 40))))
+    assert s.state == "off" and s.gain == pytest.approx(-0.3)
+    probes = 0
+    while s.state == "off":
+        while not s.draft_now():
+            s.observe(ar_step(1))
+        s.observe(drafting(1, 0.25, 0.0, accepted=[3, 1, 2][probes % 3]))
+        probes += 1
+    assert probes == 3 and s.backoff == 0
+    w = [0.98 ** i for i in range(60)]  # newest first
+    on_the_mean = next(k for k in range(1, 20) if sum(w[i] * [3, 1, 2][(k - 1 - i) % 3] - 0.3 * w[i]
+                                                       for i in range(k)) - 0.3 * sum(w[k:k + 44]) > 0)
+    assert on_the_mean == 5
 
 
 def test_losing_probes_pile_up_so_one_lucky_probe_does_not_turn_drafting_on():
