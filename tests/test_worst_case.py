@@ -9,7 +9,8 @@ from tools.worst_case import summarize
 def run(i, tps):
     best = max((k for k in tps if k != "dcut"), key=tps.get)
     return {"run": i, "batch_size": 1, "best_fixed": best, "dcut_vs_best_fixed": tps["dcut"] / tps[best],
-            "dcut_vs_ar": tps["dcut"] / tps["ar"], "dcut_ar_step_share": 0.0, "tokens_per_second": tps}
+            "dcut_vs_ar": tps["dcut"] / tps["ar"], "dcut_ar_step_share": 0.0, "tokens_per_second": tps,
+            "passes_vs_ar": {k: [v / tps["ar"]] for k, v in tps.items()}}  # one pass each
 
 
 def test_the_overall_reference_is_the_fixed_policy_best_across_runs_not_the_noisiest_in_each():
@@ -27,3 +28,16 @@ def test_the_overall_reference_is_the_fixed_policy_best_across_runs_not_the_nois
     assert s["dcut_vs_best_fixed_overall"]["min"] == pytest.approx(overall[0])
     assert s["dcut_vs_best_fixed_overall"]["p10"] == pytest.approx(overall[0] + 0.2 * (overall[1] - overall[0]))
     assert s["dcut_vs_ar"]["median"] == pytest.approx(1.4) and s["dcut_vs_ar_where_ar_is_best"]["min"] is None
+
+
+def test_paired_figures_take_each_round_s_passes_together():
+    """A machine that drifts: round 2 runs every policy at half speed. Over medians of passes the drift
+    moves the figures with whichever policy's median lands in the slow round; paired, dcut / X is the
+    median over rounds of dcut's pass over X's pass of the same round, and the drift cancels."""
+    r = run(1, {"ar": 100, "a": 150, "b": 120, "dcut": 140})
+    r["passes_vs_ar"] = {"ar": [1.0, 1.0, 1.0], "a": [1.5, 1.5, 1.4], "b": [1.2, 1.3, 1.2], "dcut": [1.4, 1.5, 1.5]}
+    s = summarize([r], [1])["1"]["paired"]
+    assert s["best_fixed"] == {"a": 1} and s["best_fixed_overall"] == "a"
+    assert s["dcut_vs_best_fixed"]["median"] == pytest.approx(1.0)  # 1.4 / 1.5, 1.5 / 1.5, 1.5 / 1.4
+    assert s["dcut_vs_ar"]["median"] == pytest.approx(1.5)
+    assert s["dcut_vs_ar_where_ar_is_best"]["median"] is None

@@ -11,7 +11,13 @@ A run's best fixed policy is the fastest of the fixed ones in that run: the maxi
 medians, which runs high by itself when policies are close (at B = 1 on the demo pair four drafting
 policies are within a few percent of each other). So each run is also put against one reference fixed
 after all runs: the fixed policy whose median speedup over AR across the runs is highest (the depth a
-user would pick knowing the machine), dcut / that policy's tokens per second in the same run. The JSON is rewritten
+user would pick knowing the machine), dcut / that policy's tokens per second in the same run.
+
+Both come two ways. As bench states them: a policy's median tokens per second over its passes, over
+another's. And paired: the median over rounds of dcut's pass over the other policy's pass of the same
+round (bench interleaves the passes, so a round's passes run minutes apart at most, while the machine's
+speed drifts by 20 % and more between rounds on a shared 2-core host: AR's own passes in one process
+ran 569-764 tokens a second). The paired figure cancels what drift the passes of a round share. The JSON is rewritten
 after every run, so a stopped measurement keeps what it has.
 
     python tools/worst_case.py --runs 10 --batch-sizes 1,4,16,64 --output docs/bench/worst_case_demo.json
@@ -62,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--lockstep", action="store_true", help="pass --lockstep to bench")
     p.add_argument("--threads", type=int, default=None, help="passed to bench (default: bench's own)")
     p.add_argument("--output", default=None, help="JSON with every run (rewritten after each)")
+    p.add_argument("--summarize", default=None, metavar="JSON",
+                   help="run nothing: summarize the runs of an earlier --output file again (and rewrite it)")
     return p.parse_args(argv)
 
 
@@ -99,6 +107,26 @@ def one_run(args, B: int, work: Path) -> dict:
             "tokens_per_second": {r["policy"]: r["tokens_per_second"] for r in result["records"]}}
 
 
+def paired(r: dict, policy: str) -> float:
+    """The median over rounds of dcut's pass over `policy`'s pass of the same round (passes_vs_ar holds
+    each pass over AR's of its round)."""
+    return float(np.median([d / x for d, x in zip(r["passes_vs_ar"]["dcut"], r["passes_vs_ar"][policy])]))
+
+
+def paired_summary(rs: list[dict]) -> dict:
+    """summarize's figures on paired passes: each run's best fixed policy the one with the highest median
+    pass over AR's, the overall one the highest median of those over the runs."""
+    fixed = [k for k in rs[0]["passes_vs_ar"] if k != "dcut"]
+    speedup = [{k: float(np.median(r["passes_vs_ar"][k])) for k in fixed} for r in rs]
+    best = [max(fixed, key=s.get) for s in speedup]
+    overall = max(fixed, key=lambda k: np.median([s[k] for s in speedup]))
+    return {"best_fixed": {k: best.count(k) for k in sorted(set(best))},
+            "dcut_vs_best_fixed": spread([paired(r, b) for r, b in zip(rs, best)]),
+            "best_fixed_overall": overall, "dcut_vs_best_fixed_overall": spread([paired(r, overall) for r in rs]),
+            "dcut_vs_ar": spread([paired(r, "ar") for r in rs]),
+            "dcut_vs_ar_where_ar_is_best": spread([paired(r, "ar") for r, b in zip(rs, best) if b == "ar"])}
+
+
 def summarize(runs: list[dict], batch_sizes: list[int]) -> dict:
     out = {}
     for B in batch_sizes:
@@ -118,24 +146,43 @@ def summarize(runs: list[dict], batch_sizes: list[int]) -> dict:
                        "dcut_vs_ar": spread([r["dcut_vs_ar"] for r in rs if r["dcut_vs_ar"] is not None]),
                        "dcut_vs_ar_where_ar_is_best": spread([r["dcut_vs_ar"] for r in ar_best]),
                        "best_fixed": best,
-                       "runs_mostly_ar_steps": sum(r["dcut_ar_step_share"] > 0.5 for r in rs)}
+                       "runs_mostly_ar_steps": sum(r["dcut_ar_step_share"] > 0.5 for r in rs),
+                       "paired": paired_summary(rs)}
     return out
 
 
-def table(summary: dict) -> Table:
-    t = Table(title="dcut over runs from empty tables: min / 10th pct / median")
+def table(summary: dict, paired: bool = False) -> Table:
+    t = Table(title="dcut over runs from empty tables: min / 10th pct / median"
+              + (", paired passes" if paired else ", medians of passes"))
     for c in ("B", "runs", "dcut / best fixed of each run", "dcut / best fixed overall", "dcut / AR",
               "best fixed (runs)", "runs mostly AR steps"):
         t.add_column(c, justify="right")
     fmt = lambda s: "/".join("-" if s[k] is None else f"{s[k]:.3f}" for k in ("min", "p10", "median"))  # noqa: E731
     for B, s in summary.items():
+        s = {**s, **s["paired"]} if paired else s
         t.add_row(B, str(s["runs"]), fmt(s["dcut_vs_best_fixed"]),
                   f"{fmt(s['dcut_vs_best_fixed_overall'])} ({s['best_fixed_overall']})", fmt(s["dcut_vs_ar"]),
                   ", ".join(f"{k} {v}" for k, v in sorted(s["best_fixed"].items())), str(s["runs_mostly_ar_steps"]))
     return t
 
 
+def resummarize(path: str, console: Console) -> int:
+    """--summarize: the summary of an earlier file's runs, as this version computes it."""
+    try:
+        record = json.loads(Path(path).read_text())
+        runs = record["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise cli.UserError(f"--summarize {path}: not a worst_case output ({type(e).__name__}: {e})") from None
+    record["summary"] = summarize(runs, sorted({r["batch_size"] for r in runs}))
+    Path(path).write_text(json.dumps(record, indent=1) + "\n")
+    console.print(table(record["summary"]))
+    console.print(table(record["summary"], paired=True))
+    return 0
+
+
 def run(args, console: Console) -> int:
+    if args.summarize:
+        return resummarize(args.summarize, console)
     batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
     cli.check_positive(args, "runs", "max_new_tokens", "num_prompts", "repeats", "threads")
     cli.check_writable(args.output, "--output")
@@ -157,13 +204,16 @@ def run(args, console: Console) -> int:
                 console.log(f"run {i + 1} B={B}: dcut {r['dcut_vs_best_fixed']:.3f}x best fixed ({r['best_fixed']}), "
                             f"{r['dcut_vs_ar']:.3f}x AR, {r['seconds']:.0f} s; {done}/{total}, ~{eta / 60:.0f} min left")
     console.print(table(record["summary"]))
+    console.print(table(record["summary"], paired=True))
     if args.output:
         console.print(f"wrote {args.output}")
     return 0
 
 
 def main(argv=None) -> int:
-    return cli.run_reporting_errors(run, parse_args(argv), Console())
+    console = Console()
+    console.width = max(console.width, 140)  # the tables hold three min / p10 / median columns
+    return cli.run_reporting_errors(run, parse_args(argv), console)
 
 
 if __name__ == "__main__":
