@@ -22,8 +22,8 @@ explicit state:
              also kept on their own: once they say, with CONFIDENCE, that drafting wins (the lower
              bound of their mean, net of their lumps, above zero), the workload has changed, and they
              replace the evidence: samples of requests long gone cannot outvote new ones that clearly
-             win (at B = 1 a hard request's fifty blocks would take a dozen winning probes to outweigh,
-             with the probes 16 steps apart or more).
+             win (at B = 1, 44 blocks of hard requests at -0.3 a block take five probes of +0.7 to +2.7
+             to outweigh on the mean, at least 16 AR steps apart each; the probes' own bound, three).
 
 Successive blocks of one request are not independent samples: a prompt the drafter finds hard is hard
 for all of its blocks. So the samples that switch drafting off must come from more than one request,
@@ -44,8 +44,8 @@ Probes are paid from a budget set by the room to win: the tokens per second the 
 commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5 at B = 64). Drafting
 at best commits an AR step's tokens in 1 / room of its time, so it could save (1 - 1 / room) of every
 AR step; each AR step while off earns PROBE_SHARE of that toward the next probe, and a probe runs once
-those earnings pay its price (never sooner than probe_every steps). Each probe in a row that leaves
-drafting off doubles that period (an exponential backoff, at most MAX_BACKOFF times: where drafting
+those earnings pay its price (never sooner than probe_every steps). Each probe whose own step lost
+doubles that period (an exponential backoff, at most MAX_BACKOFF times: where drafting
 keeps losing, probes thin out geometrically, so their cost over a run grows with its logarithm); one
 that turns drafting on resets it, and one whose own step won without turning drafting on (the mean is
 still below zero, but rising) leaves the period as it was. Where drafting never pays, probing thus costs at most PROBE_SHARE *
