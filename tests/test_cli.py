@@ -365,7 +365,9 @@ def test_ctrl_c_keeps_finished_requests_and_says_so_in_one_line(models, tmp_path
     out = tmp_path / "out.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "minidcut.generate", *map(str, base(
         models, "--policy", "ar", "--prompts", prompts, "--batch-size", "1", "--max-new-tokens", "40",
-        "--output", out))], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        "--output", out))], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a suite run in the background
+    #     (`pytest &`) starts with SIGINT ignored, and a child that inherits that never sees Ctrl-C
     while proc.poll() is None and (not out.is_file() or len(out.read_text().splitlines()) < 3):
         time.sleep(0.2)  # until three requests are on disk, however long the machine takes
     proc.send_signal(signal.SIGINT)
