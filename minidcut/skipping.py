@@ -48,7 +48,8 @@ those earnings pay its price (never sooner than probe_every steps). Each probe w
 doubles that period (an exponential backoff, at most MAX_BACKOFF times: where drafting
 keeps losing, probes thin out geometrically, so their cost over a run grows with its logarithm); one
 that turns drafting on resets it, and one whose own step won without turning drafting on (the mean is
-still below zero, but rising) leaves the period as it was. Where drafting never pays, probing thus costs at most PROBE_SHARE *
+still below zero, but rising) leaves the period as it was. Where drafting never pays, probing thus
+costs at most PROBE_SHARE *
 (1 - 1 / room) of the run (under PROBE_SHARE at any room, about a third of it at room 1.5), and less as
 the backoff grows; where it might win much, the first probe comes soon. A probe's price is a drafting
 step at the dearest budget the rule may pick, less what drafting usually commits (a long running
@@ -204,11 +205,10 @@ class SkipDrafting:
         self.catchup_per_position = float(saved["catchup_per_position"])
         self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
         self.failed_probes = int(saved["failed_probes"])
-        self.lumps = Evidence(saved.get("lumps", (0.0, 0.0, 0.0, 0.0)))  # states saved before it: none yet
+        for k in ("lumps", "probes", "probe_lumps"):  # states saved before them: none yet
+            setattr(self, k, Evidence(saved.get(k, Evidence().sums)))
         self.requests = int(saved.get("requests", 2))  # states saved before it decided with more
         self.latest = int(saved.get("latest", self.patience))
-        self.probes = Evidence(saved.get("probes", (0.0, 0.0, 0.0, 0.0)))
-        self.probe_lumps = Evidence(saved.get("probe_lumps", (0.0, 0.0, 0.0, 0.0)))
 
     def seconds(self, drafting: bool, rho: float = 0.0) -> float:
         """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
