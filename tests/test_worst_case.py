@@ -41,3 +41,29 @@ def test_paired_figures_take_each_round_s_passes_together():
     assert s["dcut_vs_best_fixed"]["median"] == pytest.approx(1.0)  # 1.4 / 1.5, 1.5 / 1.5, 1.5 / 1.4
     assert s["dcut_vs_ar"]["median"] == pytest.approx(1.5)
     assert s["dcut_vs_ar_where_ar_is_best"]["median"] is None
+
+
+def test_summarize_joins_files_and_keeps_the_batch_sizes_asked(tmp_path):
+    """--summarize over two files (runs of one code from two sessions): their runs together, summarized
+    as one; --batch-sizes keeps only those; one file alone is rewritten in place with every run."""
+    import json
+
+    from tools.worst_case import main
+
+    at_4 = {**run(1, {"ar": 100, "a": 150, "dcut": 140}), "batch_size": 4}
+    a = {"command": "first", "args": {"runs": 2}, "runs": [run(1, {"ar": 100, "a": 90, "dcut": 95}), at_4]}
+    b = {"command": ["second", "third"], "args": [{"runs": 1}, {"runs": 1}],
+         "runs": [run(1, {"ar": 100, "a": 80, "dcut": 99}), run(2, {"ar": 100, "a": 95, "dcut": 70})]}
+    pa, pb, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "joined.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert main(["--summarize", str(pa), str(pb), "--batch-sizes", "1", "--output", str(out)]) == 0
+    joined = json.loads(out.read_text())
+    assert joined["command"] == ["first", "second", "third"] and len(joined["args"]) == 3
+    assert [r["batch_size"] for r in joined["runs"]] == [1, 1, 1] and list(joined["summary"]) == ["1"]
+    s = joined["summary"]["1"]
+    assert s["runs"] == 3
+    assert s["dcut_vs_ar"]["min"] == pytest.approx(0.70) and s["dcut_vs_ar"]["median"] == pytest.approx(0.95)
+    assert main(["--summarize", str(pa)]) == 0  # in place, every batch size
+    assert sorted(json.loads(pa.read_text())["summary"]) == ["1", "4"]
+    assert main(["--summarize", str(pa), "--batch-sizes", "16", "--output", str(out)]) == 2  # nothing there: one line

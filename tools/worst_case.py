@@ -17,13 +17,15 @@ Both come two ways. As bench states them: a policy's median tokens per second ov
 another's. And paired: the median over rounds of dcut's pass over the other policy's pass of the same
 round (bench interleaves the passes, so a round's passes run minutes apart at most, while the machine's
 speed drifts by 20 % and more between rounds on a shared 2-core host: AR's own passes in one process
-ran 569-764 tokens a second). The paired figure cancels what drift the passes of a round share. The JSON is rewritten
-after every run, so a stopped measurement keeps what it has.
+ran 569-764 tokens a second). The paired figure cancels what drift the passes of a round share. The
+JSON is rewritten after every run, so a stopped measurement keeps what it has; --summarize sums up
+files again, and joins several (runs of one code measured in parts).
 
     python tools/worst_case.py --runs 10 --batch-sizes 1,4,16,64 --output docs/bench/worst_case_demo.json
     python tools/worst_case.py --runs 10 --target models/smollm2-135m-instruct \
         --drafter models/smollm2-135m-instruct-dflash --chat --prompts models/prompts_mix_heldout.jsonl \
         --output docs/bench/worst_case_smollm2.json
+    python tools/worst_case.py --summarize first.json second.json --output both.json
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ PASSED = ("target", "drafter", "prompts", "policies", "max_new_tokens", "num_pro
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10, help="runs per batch size, each from an empty table (default: %(default)s)")
-    p.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated (default: %(default)s)")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,4,16,64; with --summarize: all)")
     p.add_argument("--target", default=str(cli.DEFAULT_TARGET), help="target directory (default: the demo target)")
     p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="drafter directory (default: the demo drafter)")
     p.add_argument("--prompts", default=str(cli.MODELS / "prompts_heldout.jsonl"),
@@ -68,8 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--lockstep", action="store_true", help="pass --lockstep to bench")
     p.add_argument("--threads", type=int, default=None, help="passed to bench (default: bench's own)")
     p.add_argument("--output", default=None, help="JSON with every run (rewritten after each)")
-    p.add_argument("--summarize", default=None, metavar="JSON",
-                   help="run nothing: summarize the runs of an earlier --output file again (and rewrite it)")
+    p.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: summarize the runs of earlier --output files again (those at --batch-sizes): one "
+                        "file is rewritten in place, or written to --output; several are joined, their runs "
+                        "together, and written to --output if given")
     return p.parse_args(argv)
 
 
@@ -166,26 +170,41 @@ def table(summary: dict, paired: bool = False) -> Table:
     return t
 
 
-def resummarize(path: str, console: Console) -> int:
-    """--summarize: the summary of an earlier file's runs, as this version computes it."""
-    try:
-        record = json.loads(Path(path).read_text())
-        runs = record["runs"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise cli.UserError(f"--summarize {path}: not a worst_case output ({type(e).__name__}: {e})") from None
+def resummarize(paths: list[str], output: str | None, batch_sizes: list[int] | None, console: Console) -> int:
+    """--summarize: the summary of earlier files' runs at batch_sizes (None: all), as this version
+    computes it. One file is rewritten in place (or written to output); several are joined (their
+    commands, arguments and runs in order) and written to output."""
+    records = []
+    for path in paths:
+        try:
+            record = json.loads(Path(path).read_text())
+            record["runs"][0]["batch_size"]  # a worst_case output: runs, each at a batch size
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise cli.UserError(f"--summarize {path}: not a worst_case output ({type(e).__name__}: {e})") from None
+        records.append(record)
+    if len(records) == 1:
+        record, output = records[0], output or paths[0]
+    else:
+        listed = lambda r, k: r[k] if isinstance(r[k], list) else [r[k]]  # noqa: E731 (joined files: lists)
+        record = {k: [x for r in records for x in listed(r, k)] for k in ("command", "args", "runs")}
+    record["runs"] = runs = [r for r in record["runs"] if batch_sizes is None or r["batch_size"] in batch_sizes]
+    if not runs:
+        raise cli.UserError(f"--summarize: no runs at batch sizes {batch_sizes}")
     record["summary"] = summarize(runs, sorted({r["batch_size"] for r in runs}))
-    Path(path).write_text(json.dumps(record, indent=1) + "\n")
+    if output:
+        Path(output).write_text(json.dumps(record, indent=1) + "\n")
     console.print(table(record["summary"]))
     console.print(table(record["summary"], paired=True))
     return 0
 
 
 def run(args, console: Console) -> int:
-    if args.summarize:
-        return resummarize(args.summarize, console)
-    batch_sizes = cli.parse_batch_sizes(args.batch_sizes)
-    cli.check_positive(args, "runs", "max_new_tokens", "num_prompts", "repeats", "threads")
     cli.check_writable(args.output, "--output")
+    if args.summarize:
+        return resummarize(args.summarize, args.output, args.batch_sizes and cli.parse_batch_sizes(args.batch_sizes),
+                           console)
+    batch_sizes = cli.parse_batch_sizes(args.batch_sizes or "1,4,16,64")
+    cli.check_positive(args, "runs", "max_new_tokens", "num_prompts", "repeats", "threads")
     policies = [p.strip() for p in args.policies.split(",")]
     if "dcut" not in policies or "ar" not in policies:
         raise cli.UserError("--policies must hold dcut and ar")
