@@ -45,13 +45,12 @@ commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5
 at best commits an AR step's tokens in 1 / room of its time, so it could save (1 - 1 / room) of every
 AR step; each AR step while off earns PROBE_SHARE of that toward the next probe, and a probe runs once
 those earnings pay its price (never sooner than probe_every steps). Each probe whose own step lost
-doubles that period (an exponential backoff, at most MAX_BACKOFF times: where drafting
-keeps losing, probes thin out geometrically, so their cost over a run grows with its logarithm); one
-that turns drafting on resets it, and one whose own step won without turning drafting on (the mean is
-still below zero, but rising) leaves the period as it was. Where drafting never pays, probing thus
-costs at most PROBE_SHARE *
-(1 - 1 / room) of the run (under PROBE_SHARE at any room, about a third of it at room 1.5), and less as
-the backoff grows; where it might win much, the first probe comes soon. A probe's price is a drafting
+doubles that period (an exponential backoff, at most MAX_BACKOFF times: where drafting keeps losing,
+probes thin out geometrically, so their cost over a run grows with its logarithm); one that turns
+drafting on resets it, and one whose own step won without turning drafting on (the mean is still below
+zero, but rising) leaves the period as it was. Where drafting never pays, probing thus costs at most
+PROBE_SHARE * (1 - 1 / room) of the run (under PROBE_SHARE at any room, about a third of it at room
+1.5), and less as the backoff grows; where it might win much, the first probe comes soon. A probe's price is a drafting
 step at the dearest budget the rule may pick, less what drafting usually commits (a long running
 mean), plus the catch-up of the drafter's context it must write first (priced per position as the
 last one took). The catch-up grows with every skipped step, so where it grows faster than the
