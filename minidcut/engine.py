@@ -239,6 +239,17 @@ class Engine:
                 keys += [("draft", b, 0, True)] + [("verify", b, K, True) for K in Ks]  # K = 0: rho* = 0
         return keys
 
+    def compile_plan(self, max_batch: int | None = None, min_batch: int = 1) -> tuple[int, float | None]:
+        """(graphs reachable at buckets in [min_batch, max_batch] not compiled yet (0 eager), the seconds a
+        graph took the last time these models compiled here (None: never))."""
+        graphs = self.runner.graphs
+        new = sum(k not in graphs.graphs for k in self.reachable(max_batch, min_batch)) if self.compile else 0
+        return new, graphs.seconds_per_graph()
+
+    def compiled(self) -> list[tuple[str, float]]:
+        """Each graph this engine compiled, in order, with the seconds of its first run (its compiling)."""
+        return [(self.runner.graphs.name(k), s) for k, s in self.runner.graphs.compile_seconds.items()]
+
     @torch.inference_mode()
     def warmup(self, max_batch: int | None = None, calls: int = REPLAYED, min_batch: int = 1) -> float:
         """Run every graph reachable at buckets in [min_batch, max_batch] (default: all) `calls` times on
@@ -248,9 +259,8 @@ class Engine:
         t0 = time.perf_counter()
         keys = self.reachable(max_batch, min_batch)
         graphs = self.runner.graphs
-        new = sum(key not in graphs.graphs for key in keys) if self.compile else 0
+        new, s = self.compile_plan(max_batch, min_batch)
         if new and graphs.on_compile is not None:  # what the user waits for, before the first compile
-            s = graphs.seconds_per_graph()
             graphs.on_compile(f"{new} graphs to compile before the first step: " + (
                 f"~{new * s / 60:.1f} min at the {s:.0f} s a graph of the last compile of these models here (an "
                 f"empty compile cache takes longer, a warm one less)" if s else

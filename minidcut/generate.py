@@ -81,11 +81,11 @@ def parse_args(argv=None):
                    help="JSONL, one line per request with its index, written as requests finish and "
                         "sorted into input order at the end")
     p.add_argument("--stats", default=None, help="write the run's statistics as JSON")
-    p.add_argument("--warmup", choices=["all", "first"], default="all",
-                   help="compiled runs: compile the graphs of every batch bucket the run can reach before the "
-                        "first step (all), or of the first bucket only, the others as the run reaches them, "
-                        "their first steps counted as compiling, not decoding (first: the first token sooner) "
-                        "(default: %(default)s)")
+    p.add_argument("--warmup", choices=["all", "first"], default="first",
+                   help="compiled runs: compile the graphs of the first batch bucket before the first step and "
+                        "the others when the run first reaches them, their first steps counted as compiling, "
+                        "not decoding (first: a run that never drains to the smaller buckets never compiles "
+                        "them), or every bucket's before the first step (all) (default: %(default)s)")
     p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="after the run, generate the same prompts with plain AR decoding in this process, print "
                         "the speedup and whether the tokens are the same (where they first differ if not: in "
@@ -190,8 +190,9 @@ def run(args, console: Console) -> int:
         policy = build_policy(f"static:{args.rho}" if args.policy == "static" else args.policy, table=table,
                               rhos=args.rhos, gain=args.gain, calibrate=not args.no_calibrate,
                               skip_drafting=not args.no_skip_drafting, log=log)
-        engine = make_engine(args, target, drafter, policy, max_seq, status.update)
-        compile_seconds = warm_up(engine, args, len(prompts))
+        say = Sink(status.update)  # a graph compiled on the way speaks on the live progress line instead
+        engine = make_engine(args, target, drafter, policy, max_seq, say)
+        compile_seconds = warm_up(engine, args, len(prompts), log if not args.quiet else None)
         runtime.freeze_heap()
     if not args.quiet:
         console.print(f"ready in {time.perf_counter() - t0:.1f} s: {args.target}"
@@ -200,7 +201,7 @@ def run(args, console: Console) -> int:
                       f"{policy.label}, B = {args.batch_size}")
     writer = ResultWriter(args.output, tokenizer)
     try:
-        outputs, stats = decode(engine, prompts, args, console, writer)
+        outputs, stats = decode(engine, prompts, args, console, writer, say)
     except KeyboardInterrupt:
         writer.close(complete=False)
         where = f" written to {args.output}" if args.output else " finished"
@@ -219,6 +220,7 @@ def run(args, console: Console) -> int:
     if args.stats:
         compiled = compile_seconds + stats.seconds["compile"]  # before the first step, and on the way (--warmup first)
         Path(args.stats).write_text(json.dumps({**stats.as_dict(), "compile_seconds": compiled,
+                                                "compiled_graphs": dict(engine.compiled()),
                                                 "threads": torch.get_num_threads(),
                                                 **({"ar": ar_stats.as_dict()} if ar_stats else {})}, indent=1) + "\n")
     if not args.quiet:
@@ -228,6 +230,8 @@ def run(args, console: Console) -> int:
                 console.print(tokenizer.decode(p) + tokenizer.decode(out), markup=False, highlight=False)
             console.rule()
         console.print(summary_table(stats))
+        if engine.compiled():
+            console.print(compiled_line(engine.compiled()), highlight=False)
         for line in explain(stats, policy, table_file):
             console.print(line, highlight=False)
         if ar_stats is not None:
@@ -256,12 +260,37 @@ def compare_outputs(ours: list[list[int]], ar: list[list[int]], dtype: torch.dty
             "in float32 (--dtype float32).")
 
 
-def warm_up(engine: Engine, args, n_prompts: int) -> float:
-    """--warmup before the first step of a compiled run: every bucket's graphs, or the first bucket's."""
+class Sink:
+    """An on_compile callback whose receiver changes: the loading status line, then the live progress."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, message: str) -> None:
+        self.fn(message)
+
+
+def warm_up(engine: Engine, args, n_prompts: int, log=None) -> float:
+    """--warmup before the first step of a compiled run: the first bucket's graphs, or every bucket's;
+    log(line) first says how many graphs now, how many later at most, and roughly how long."""
     if not args.compile:
         return 0.0
     top = engine.bucket_for(min(args.batch_size, n_prompts))
-    return engine.warmup(top, min_batch=top if args.warmup == "first" else 1)
+    low = top if args.warmup == "first" else 1
+    now, per_graph = engine.compile_plan(top, low)
+    later, _ = engine.compile_plan(top)
+    if log is not None and now:
+        rest = f"; up to {later - now} more, each when the run first reaches its bucket" if later > now else ""
+        pace = (f"~{now * per_graph:.0f} s at {per_graph:.1f} s a graph, as these models compiled here last time"
+                if per_graph else "no earlier compile of these models here: the first graph tells how long")
+        log(f"compiling {now} graphs before the first step ({pace}){rest}")
+    return engine.warmup(top, min_batch=low)
+
+
+def compiled_line(graphs: list[tuple[str, float]]) -> str:
+    """'compiled 7 graphs in 91 s: draft graph b=8 12.1 s, ...' (each graph's first run)."""
+    return (f"compiled {len(graphs)} graphs in {sum(s for _, s in graphs):.0f} s: "
+            + ", ".join(f"{name} {s:.1f} s" for name, s in graphs))
 
 
 def make_engine(args, target, drafter, policy, max_seq: int, on_compile) -> Engine:
@@ -270,11 +299,13 @@ def make_engine(args, target, drafter, policy, max_seq: int, on_compile) -> Engi
                   eos_ids=[] if args.ignore_eos else None, compile=args.compile, on_compile=on_compile)
 
 
-def decode(engine: Engine, prompts, args, console: Console, writer):
-    """engine.generate with a live progress line (and the cost-table rows being measured on it)."""
+def decode(engine: Engine, prompts, args, console: Console, writer, say: Sink):
+    """engine.generate with a live progress line (and the cost-table rows being measured, or a graph
+    compiled on the way, on it)."""
     if args.quiet:
         return engine.generate(prompts, args.max_new_tokens, on_finish=writer)
     with Live(console=console, refresh_per_second=4, transient=True) as live:
+        say.fn = live.update
         engine.on_measure = lambda b, rho: live.update(f"measuring the cost table's row for bucket {b}: rho {rho:g} done")
         return engine.generate(prompts, args.max_new_tokens, on_finish=writer,
                                on_step=lambda s, rec: live.update(progress_line(s, rec)))

@@ -19,6 +19,7 @@ import collections
 import functools
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,7 @@ class Graphs:
         self.graphs: dict[tuple, callable] = {}
         self.calls: collections.Counter = collections.Counter()  # runs of each graph (warmup checks)
         self.cold_calls = 0  # runs of compiled graphs not yet warm (counted)
+        self.compile_seconds: dict[tuple, float] = {}  # each compiled graph's first run (its compiling), by key
         self.budget_tensors: dict[int, torch.Tensor] = {}  # budget_tensor's, by bucket
         self.record = COMPILE_CACHE / "graph_seconds.json"  # seconds a graph took to compile here, by machine and models
 
@@ -138,14 +140,22 @@ class Graphs:
             fn = self.draft if kind == "draft" else functools.partial(self.verify, K=K, write=write)
             if self.compile:
                 if self.on_compile is not None:
-                    self.on_compile(f"compiling {kind} graph b={b}" + (f" K={K}" if kind == "verify" else "") + note)
+                    self.on_compile(f"compiling {self.name(key)}{note}")
                 fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
             self.graphs[key] = self.counted(key, fn)
         return self.graphs[key]
 
+    @staticmethod
+    def name(key: tuple) -> str:
+        """'draft graph b=4', 'verify graph b=4 K=15', 'verify graph b=4 K=0 no-draft' (a step that does not
+        draft: only the target's taps held): a graph key (kind, b, K, write), as said to users."""
+        kind, b, K, write = key
+        return f"{kind} graph b={b}" + (f" K={K}" if kind == "verify" else "") + ("" if write else " no-draft")
+
     def counted(self, key: tuple, fn):
         """fn, counting its runs in self.calls[key], and in self.cold_calls a compiled graph's first
-        REPLAYED runs (compiling, recording its CUDA graph, its first replay: no step's time). The
+        REPLAYED runs (compiling, recording its CUDA graph, its first replay: no step's time); the
+        seconds of a compiled graph's first run (its compiling) go to self.compile_seconds[key]. The
         optional span is always passed (None if not given): a compiled graph called with another number
         of arguments would compile again."""
         n = 4 if key[0] == "draft" else 6
@@ -154,7 +164,12 @@ class Graphs:
             if self.compile and self.calls[key] < REPLAYED:
                 self.cold_calls += 1
             self.calls[key] += 1
-            return fn(*args, *[None] * (n - len(args)))
+            if not self.compile or key in self.compile_seconds:
+                return fn(*args, *[None] * (n - len(args)))
+            t0 = time.perf_counter()
+            out = fn(*args, *[None] * (n - len(args)))
+            self.compile_seconds[key] = time.perf_counter() - t0
+            return out
         return run
 
     def draft(self, anchor, anchor_pos, inputs, span=None):

@@ -368,10 +368,14 @@ def test_ctrl_c_keeps_finished_requests_and_says_so_in_one_line(models, tmp_path
         "--output", out))], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a suite run in the background
     #     (`pytest &`) starts with SIGINT ignored, and a child that inherits that never sees Ctrl-C
+    deadline = time.monotonic() + 300  # a child that never writes fails the test, not the CI run
     while proc.poll() is None and (not out.is_file() or len(out.read_text().splitlines()) < 3):
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("no three requests on disk after 300 s")
         time.sleep(0.2)  # until three requests are on disk, however long the machine takes
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate()
+    _, err = proc.communicate(timeout=120)
     lines = read_jsonl(out)
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == [f"interrupted: {len(lines)} of 400 requests written to {out}"]
@@ -437,3 +441,28 @@ def test_chat_takes_the_templates_arguments_with_thinking_off_by_default(models)
     for bad in ("enable_thinking", "=1", "a b=1"):
         with pytest.raises(cli_mod.UserError, match="expected KEY=VALUE"):
             cli_mod.parse_chat(bad)
+
+
+def test_a_compiled_run_says_how_many_graphs_come_first_and_lists_each_it_compiled(models, capsys, tmp_path,
+                                                                                  monkeypatch):
+    """--compile (dynamo with the eager backend: the same graphs, keys and announcements, without
+    inductor's minutes): before the first step one line says how many graphs compile now (the first
+    bucket's) and how many more at most; four requests of equal length never leave bucket 4, so the
+    smaller buckets' graphs are never compiled; the summary and --stats list each graph with its seconds."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, *, mode=None, fullgraph=False, dynamic=None, **_:
+                        real_compile(fn, backend="eager", fullgraph=fullgraph, dynamic=dynamic))
+    monkeypatch.setattr("minidcut.graphs.COMPILE_CACHE", tmp_path)  # its seconds-per-graph record
+    torch._dynamo.reset()
+    stats = tmp_path / "stats.json"
+    code, out, err = cli(capsys, "--target", models["target"], "--drafter", models["drafter"], "--compile",
+                         "--policy", "full", "--threads", "1", "--batch-size", "4", "--max-new-tokens", "6",
+                         "--ignore-eos", "--stats", stats, *sum((["--prompt", t] for t in TEXTS + ["x = 1\n"]), []))
+    torch._dynamo.reset()
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "compiling 2 graphs before the first step (no earlier compile of these models here" in text
+    assert "up to 4 more, each when the run first reaches its bucket" in text
+    listed = json.loads(stats.read_text())["compiled_graphs"]
+    assert sorted(listed) == ["draft graph b=4", "verify graph b=4 K=60"] and all(s > 0 for s in listed.values())
+    assert re.search(r"compiled 2 graphs in \d+ s: draft graph b=4 [\d.]+ s, verify graph b=4 K=60 [\d.]+ s", text)

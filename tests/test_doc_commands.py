@@ -83,6 +83,26 @@ def test_every_documented_command_parses_as_written(where, argv):
         assert cache_positions(parsed.context_len, parsed.max_seq, compiled) >= parsed.context_len + 33, where
 
 
+def install_extras(doc: str) -> list[set[str]]:
+    """The extras of each indented `pip install ... -e ".[a,b]"` line of a doc."""
+    lines = [x.strip() for x in (ROOT / doc).read_text().splitlines() if x.startswith("    pip install ")]
+    return [set(m.group(1).split(",")) if (m := re.search(r'-e "?\.\[([\w,-]+)\]', x)) else set() for x in lines]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_install_line_names_extras_the_project_has_and_those_its_commands_need(doc):
+    """An install line as written installs what the doc's commands then use: its extras exist in
+    pyproject.toml, and a doc whose bench command plots installs the plot extra (matplotlib)."""
+    import tomllib
+
+    have = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    extras = install_extras(doc)
+    assert all(e <= have for e in extras), (doc, extras, have)
+    plots = any("--plot" in argv for where, argv in COMMANDS if where.startswith(doc + ":"))
+    if plots:
+        assert any("plot" in e for e in extras), f"{doc} runs the bench with --plot but installs no plot extra"
+
+
 def test_the_default_command_shows_dcut_deciding_per_bucket_and_its_speedup_over_ar(tmp_path, capsys):
     """`python -m minidcut.generate` as the README gives it (its cost table in a temporary file): the batch
     drains from bucket 4 down, the summary says per bucket how many steps drafted and with which

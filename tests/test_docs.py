@@ -46,7 +46,7 @@ PATH = re.compile(r"(?<![\w./-])((?:minidcut|tools|tests|examples|docs|models)/[
 
 def tracked_texts() -> dict[str, str]:
     """Every Python and markdown file of the repository (git's view), by path."""
-    files = subprocess.run(["git", "ls-files", "*.py", "*.md"], cwd=ROOT, capture_output=True, text=True).stdout
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
     return {f: (ROOT / f).read_text() for f in files.split() if (ROOT / f).is_file()}
 
 
@@ -57,7 +57,7 @@ def headings(path: Path) -> set[str]:
 @functools.cache
 def markdown_names() -> set[str]:
     """File names of the repository's markdown files (git's view)."""
-    files = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True).stdout
+    files = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
     return {Path(f).name for f in files.split()}
 
 
@@ -78,7 +78,7 @@ def ignored(path: str) -> bool:
     """Whether git ignores the path: made locally (a fetched model), never in a clone."""
     # a pattern with a trailing slash matches only directories, and an absent path is no directory
     # to git: ask for the path as a directory as well
-    return any(subprocess.run(["git", "check-ignore", "-q", p], cwd=ROOT).returncode == 0
+    return any(subprocess.run(["git", "check-ignore", "-q", p], cwd=ROOT, timeout=60).returncode == 0
                for p in (path, path.rstrip("/") + "/"))
 
 

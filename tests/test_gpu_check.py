@@ -307,6 +307,21 @@ def test_a_first_hour_out_of_time_kills_its_children_and_skips_its_steps_but_rep
     assert gpu_check.failed(report)
 
 
+def test_a_compiled_steps_part_with_no_graph_seen_budgets_on_the_prior_not_on_zero(tmp_path, monkeypatch):
+    """The cold child finished no graph: the steps part must still price each graph (the prior per layer),
+    so a step whose graphs cannot compile before the deadline is skipped, not started."""
+    s = dict(tiny_settings(tmp_path, "--first-hour"), compile=True)
+    started = []
+    monkeypatch.setattr(gpu_check, "step_record", lambda *a, **k: started.append(a[1:3]) or {"graphs": []})
+    prior = gpu_check.GRAPH_SECONDS_PER_LAYER * gpu_check.target_config("dense", s["layers"], True)["num_hidden_layers"]
+    deadline = gpu_check.time.perf_counter() + prior * 0.9  # not even one graph fits
+    records, info = gpu_check.first_hour_steps(s, 1e9, deadline, lambda msg: None, graph_seconds=[])
+    assert started == [] and records == [] and len(info["skipped"]) == 2 * len(s["batch_sizes"])
+    # with a graph seen at 0.01 s, the same deadline lets every step start
+    records, info = gpu_check.first_hour_steps(s, 1e9, deadline, lambda msg: None, graph_seconds=[0.01])
+    assert len(started) == 2 * len(s["batch_sizes"]) and info["skipped"] == []
+
+
 # ---- the pytest part ------------------------------------------------------------------------------
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1" failures="1"

@@ -81,11 +81,11 @@ def sources(tmp_path, monkeypatch):
         (raw / path).write_bytes(data)
     mirror = tmp_path / "mirror"
     for repo in ("o+train", "o+held"):
-        subprocess.run(["git", "init", "-q", "--bare", str(mirror / repo / "repo")], check=True)
+        subprocess.run(["git", "init", "-q", "--bare", str(mirror / repo / "repo")], check=True, timeout=60)
     for path in files:
         git_dir = mirror / ("o+" + path.split("/")[1]) / "repo"
         subprocess.run(["git", "--git-dir", str(git_dir), "hash-object", "-w", str(raw / path)], check=True,
-                       capture_output=True)
+                       capture_output=True, timeout=60)
     read = ps.read_gsm8k
     monkeypatch.setattr(ps, "SOURCES", [
         ps.Source("tiny-train", "o/train", "t.jsonl", ps.git_blob_id(files["o/train/t.jsonl"]), "MIT", "train", read),

@@ -1,4 +1,4 @@
-"""Offline tools that make minidcut's demo checkpoints: corpus, tokenizer, target training.
-
-Run them from the repository root as modules, e.g. `python -m tools.train_target --help`.
-"""
+"""Tools beside the engine, each a script whose docstring gives its commands: cost tables
+(profile.py), measurements (oneshot.py, worst_case.py, gpu_check.py), the real pair (get_smollm2.py,
+target_parts.py), training data and drafters (prompt_sources.py, distill.py, train_drafter.py,
+eval_pair.py, gpu_drafter.py) and the demo models (corpus.py, train_tokenizer.py, train_target.py)."""

@@ -34,7 +34,27 @@ from rich.console import Console  # noqa: E402
 
 from minidcut import Engine, cli, load_pair, load_tokenizer  # noqa: E402
 
-CHUNK = 256  # prompts per generate() call between saves
+CHUNK = 1024  # prompts per generate() call between saves (a chunk's last rows drain alone: long chunks)
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 2.0) -> float:
+    """GFLOP/s of an n^3 matmul in `dtype` on this machine's threads (its compute ceiling, roughly)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    t0, runs = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        runs += 1
+    return 2 * n ** 3 * runs / (time.perf_counter() - t0) / 1e9
+
+
+def flop_per_token(cfg) -> float:
+    """FLOP of one decoded token of a dense target (its ModelConfig): 2 per weight it multiplies (the
+    attention and MLP projections of every layer, the lm_head); attention over the context is left out,
+    so a share of the peak computed from it is a lower bound."""
+    H, A, KV = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = H * A * 2 + H * KV * 2 + 3 * H * cfg.intermediate_size
+    return 2.0 * (cfg.num_layers * per_layer + H * cfg.vocab_size)
 
 
 def save(data: dict, path: Path) -> None:
@@ -71,7 +91,9 @@ def generate_chat(target, prompts: list[list[int]], max_new_tokens: int, batch_s
         chunk = list(range(i, min(i + size, len(prompts))))
         outs, generated = {}, 0
         for sampled in (False, True):  # one engine per sampling mode; the seed differs per chunk
-            part = [j for j in chunk if sampled_at(j, share) == sampled]
+            # shortest prompts first: a prefill pads its prompts to the longest, so rows admitted
+            # together should be of similar length
+            part = sorted((j for j in chunk if sampled_at(j, share) == sampled), key=lambda j: len(prompts[j]))
             if part:
                 engine = Engine(target, None, batch_size=batch_size, max_seq=max_seq, compile=False,
                                 temperature=temperature if sampled else 0.0, seed=i)
@@ -123,10 +145,21 @@ def main(argv=None) -> int:
     meta = {"target": str(args.target), "prompts": str(args.prompts), "chat": args.chat,
             "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
             "temperature": args.temperature if share else 0.0, "sampled_share": share, "dtype": str(dtype)}
+    peak = matmul_peak(dtype)  # this machine's ceiling in the run's dtype, on the run's threads
+    console.log(f"a 2048^3 {str(dtype).replace('torch.', '')} matmul runs {peak:.0f} GFLOP/s on "
+                f"{torch.get_num_threads()} threads here")
+    before = Path(args.out).is_file() and len(torch.load(args.out)["sequences"])
+    t0 = time.perf_counter()
     data = generate_chat(target, ids, args.max_new_tokens, args.batch_size, Path(args.out), meta, console,
                          args.temperature, share, args.seconds)
+    seconds = time.perf_counter() - t0
     lens = [len(s) - st for s, st in zip(data["sequences"], data["starts"])]
-    console.log(f"{args.out}: {len(lens)} sequences, {sum(lens)} generated tokens (mean {sum(lens) / len(lens):.0f})")
+    new = sum(lens[before or 0:])
+    rate = new / seconds
+    console.log(f"{args.out}: {len(lens)} sequences, {sum(lens)} generated tokens (mean {sum(lens) / len(lens):.0f}); "
+                f"this run {new} in {seconds:.0f} s: {rate:.0f} tokens/s, {rate / torch.get_num_threads():.0f} per "
+                f"thread-second, {rate * flop_per_token(target.cfg) / 1e9 / peak:.0%} of the matmul peak (weights' "
+                f"FLOP only: prompts, attention and sampling come on top)")
     return 0
 
 

@@ -75,8 +75,10 @@ Qwen3-8B's full shape (36 layers; --layers cuts it), bf16, random weights, in on
 Parts 1, 3 and 4 run in this process, part 3's model built once the children have ended (its graphs
 compile into compile_cache/inductor, as runtime.setup sets it). Graphs compiled: 7 per first-token child
 (bucket 32: the AR step, the draft, a verify graph per K), 1 per AR step and 2 per full-depth step.
-Planned seconds: bandwidth 5, cold 210, warm 90, steps 160, slack 15 (480). A guess: no 36-layer graph has
-been compiled on a GPU yet (8 layers took ~20 s a graph on an H200). Each part gets its plan's share of
+Planned seconds: bandwidth 5, cold 210, warm 90, steps 160, slack 15 (480). No 36-layer graph has been
+compiled on a GPU yet; 8 layers took ~21 s a graph on an H200, so at full depth (~95 s a graph if it
+grows with the layers) the cold child may finish only two or three of its seven graphs in 210 s: it
+reports those, and the steps part then budgets on them (on that 95 s if it finished none). Each part gets its plan's share of
 the time left (one that ends early leaves its time to the next); a child is killed at its limit and keeps
 what it wrote (the graphs it finished); a step starts only if its graphs, at the cold seconds per graph
 seen so far, end before the deadline.
@@ -836,6 +838,8 @@ def measure_steps(engine, prompts: list[list[int]], counts: dict, max_new: int) 
             "profile": profile}
 
 
+GRAPH_SECONDS_PER_LAYER = 21 / 8  # a cold graph's seconds per target layer where none was seen yet: ~21 s
+#                                  a graph at 8 layers on the H200 runs (docs/bench, gpu_check_h200_*)
 STEP_KINDS = {"ar": Policy.ar, "full": Policy.full}  # an AR step; a draft and every draft verified (16 tokens a row)
 
 
@@ -863,7 +867,8 @@ def first_hour_steps(s: dict, bandwidth: float, deadline: float, log, graph_seco
     """Parts 3 and 4: an AR step and a full-depth step at each batch size, each kind in an engine of its
     own (bucket B only, warmed up first), against its floor at `bandwidth` bytes/s. One starts only if
     its graphs end before the deadline at the mean of graph_seconds (cold seconds per graph seen so far,
-    this part's own added). saved(records, info) after each."""
+    this part's own added; none seen yet: GRAPH_SECONDS_PER_LAYER per target layer). saved(records, info)
+    after each."""
     device, dtype = torch.device(s["device"]), getattr(torch, s["dtype"])
     tcfg = target_config("dense", s["layers"], s["tiny"])
     target = build_target(tcfg, dtype, device)
@@ -879,7 +884,8 @@ def first_hour_steps(s: dict, bandwidth: float, deadline: float, log, graph_seco
                 compile_log = CompileLog()
                 engine = Engine(target, drafter, policy(), batch_size=B, max_seq=max_seq, eos_ids=[],
                                 compile=s["compile"], on_compile=compile_log)
-                per_graph = statistics.mean(seen) if seen and engine.compile else 0.0
+                per_graph = (statistics.mean(seen) if seen else GRAPH_SECONDS_PER_LAYER * tcfg["num_hidden_layers"]) \
+                    if engine.compile else 0.0  # none seen (the cold child finished no graph): the prior
                 if time.perf_counter() + per_graph * len(engine.reachable(B, B)) > deadline:
                     info["skipped"].append(name)
                     continue
