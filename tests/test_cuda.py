@@ -15,6 +15,9 @@ does, together with the MoE host-sync test of test_moe.py).
 - Steady state: after Engine.warmup() a dcut run never recompiles, replays a CUDA graph for every
   compiled call of every step, and no graph skipped CUDA graphs; a draft's tensors survive the verify
   graph that reads them.
+- Compaction: B = 8 requests of 8 to 120 tokens drain 8 -> 4 -> 2 -> 1 with drafting skipped every
+  third step, CUDA graphs at every bucket: AR's tokens, and every verified draft the reference
+  drafter's (test_engine_recompile.py's check, 12 more graphs).
 - The MoE path: a tiny qwen3_moe target in bf16 (torch._grouped_mm on compute capability 9.x / 10.x,
   the tiled bmm elsewhere) decodes with CUDA graphs as its compiled AR decoding does, up to near-ties.
 
@@ -25,13 +28,14 @@ On the CPU: MINIDCUT_CUDA_LANE_ON_CPU=1 runs these tests eagerly on the CPU, all
 counts CUDA graph replays (test_cuda_lane_on_cpu.py does, in the normal suite), so a changed interface
 fails here before a GPU session finds it (one did: a GPU run found a stale Engine.draft call).
 
-Budget: about 40 compiled graphs of 2- to 4-layer models at batch buckets 1 and 2, plus the drafter
+Budget: about 52 compiled graphs of 2- to 4-layer models at batch buckets 1 to 8, plus the drafter
 training; about 3 minutes on one H100.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -46,6 +50,7 @@ from minidcut.model import prefill_layout
 from minidcut.policy import Policy
 from minidcut.runtime import setup
 from test_engine_lossless import AGREE_MAX_NEW, agree_prompts, agreeing_pair  # noqa: F401 (a fixture)
+from test_engine_recompile import check_a_compacting_run_is_lossless_at_every_bucket
 from tiny import BASE, make_drafter, make_model
 
 ON_CPU = os.environ.get("MINIDCUT_CUDA_LANE_ON_CPU") == "1"  # the interface check (module docstring)
@@ -313,3 +318,17 @@ def test_moe_target_in_bf16_decodes_with_cuda_graphs_as_its_ar_decoding(tmp_path
             assert check_equal_up_to_near_ties(outputs, ar, prompts, exact, approx) >= 0.5, policy.label
         assert stats.steps > 0 and sum(map(len, outputs)) == 5 * 40
     assert cudagraph_skips() == 0
+
+
+def test_a_compiled_run_compacting_8_4_2_1_with_skipped_drafting_is_lossless_with_cuda_graphs(tmp_path):
+    """test_engine_recompile.py's compacting run on the device, CUDA graphs at buckets 8, 4, 2 and 1:
+    AR's tokens, and every draft verified equal to the reference drafter's (row moves and catch-ups
+    between compiled steps leave the right context)."""
+    setup(threads=1)
+    torch._dynamo.reset()
+    hf = make_model(tmp_path / "target", "llama", num_hidden_layers=2)
+    W = make_drafter(tmp_path / "drafter", hf.config, n_layers=1, target_layer_ids=[1])
+    target = load_target(tmp_path / "target", device=DEVICE)
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    check_a_compacting_run_is_lossless_at_every_bucket((target, load_drafter(tmp_path / "drafter", target, device=DEVICE)),
+                                                       (hf, W, cfg), compile=COMPILE)

@@ -186,7 +186,7 @@ def test_profiling_then_decoding_in_one_process_never_recompiles_or_reallocates(
     assert cache_pointers(target, drafter) == pointers
 
 
-def check_a_compacting_run_is_lossless_at_every_bucket(models, reference):
+def check_a_compacting_run_is_lossless_at_every_bucket(models, reference, compile: bool = True):
     """B = 8, eight requests asking for 8 to 120 new tokens: the batch compacts 8 -> 4 -> 2 -> 1 as they
     finish, with drafting skipped every third step (and caught up after), compiled; the tokens are AR's.
     Losslessness holds whatever the drafter drafts, so every draft verified is also checked against the
@@ -198,7 +198,7 @@ def check_a_compacting_run_is_lossless_at_every_bucket(models, reference):
     lengths = [8, 16, 24, 40, 56, 72, 96, 120]
     ar, _ = Engine(target, None, Policy.ar(), batch_size=8, max_seq=MAX_SEQ, eos_ids=[],
                    compile=False).generate(prompts, lengths)
-    engine = Engine(target, drafter, Alternating(3), batch_size=8, max_seq=MAX_SEQ, eos_ids=[], compile=True)
+    engine = Engine(target, drafter, Alternating(3), batch_size=8, max_seq=MAX_SEQ, eos_ids=[], compile=compile)
     moves, catch_ups, verified = [], [], []
     real_move, real_catch_up, real_get = engine.runner.move_rows, engine.runner.catch_up, engine.runner.graphs.get
     engine.runner.move_rows = lambda *a: (moves.append(1), real_move(*a))[1]
@@ -209,7 +209,7 @@ def check_a_compacting_run_is_lossless_at_every_bucket(models, reference):
 
         def spy(*args):
             if args[3] is not None:  # anchor, anchor_pos, request_ids, drafts, keep_len
-                verified.append([t.clone() for t in args[:5]])
+                verified.append([t.to("cpu", copy=True) for t in args[:5]])
             return fn(*args)
         return spy if kind == "verify" else fn
     engine.runner.graphs.get = get
