@@ -208,10 +208,10 @@ class Attention(nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of a decode step: q [n, Hq, Q, Dh] over k, v [n, Hk, S, Dh] (views of the cache) where
     mask [n, 1, Q, S] -> [n, Hq, Q, Dh]. SDPA, except in 16 bits on a CPU, where torch's flash kernel
-    runs a step of few queries ~10x slower than two batched matmuls (32 ms against 3.3 ms at n = 64,
-    S = 320, SmolLM2's heads, one core; fp32: the same 7 ms): there, fp32 scores, softmax, the weighted
-    sum, with the keys and values as the cache holds them (k @ q^T, not q @ k^T: a transposed view of the
-    cache would be copied whole each layer)."""
+    runs a step of few queries ~10x slower than batched matmuls (32 ms against 3.3 ms at n = 64,
+    S = 320, SmolLM2's heads, one core; in fp32 both take 7 ms): there, fp32 scores, softmax, the
+    weighted sum. The scores are k @ q^T, the cache's view untransposed: 14 ms against 60 ms for
+    q @ k^T at n = 128, S = 500 (bmm still copies the strided view, less of it)."""
     if q.device.type != "cpu" or q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     n, Hq, Q, Dh = q.shape
