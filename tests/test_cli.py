@@ -444,14 +444,11 @@ def test_chat_takes_the_templates_arguments_with_thinking_off_by_default(models)
 
 
 def test_a_compiled_run_says_how_many_graphs_come_first_and_lists_each_it_compiled(models, capsys, tmp_path,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, eager_backend):
     """--compile (dynamo with the eager backend: the same graphs, keys and announcements, without
     inductor's minutes): before the first step one line says how many graphs compile now (the first
     bucket's) and how many more at most; four requests of equal length never leave bucket 4, so the
     smaller buckets' graphs are never compiled; the summary and --stats list each graph with its seconds."""
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, *, mode=None, fullgraph=False, dynamic=None, **_:
-                        real_compile(fn, backend="eager", fullgraph=fullgraph, dynamic=dynamic))
     monkeypatch.setattr("minidcut.graphs.COMPILE_CACHE", tmp_path)  # its seconds-per-graph record
     torch._dynamo.reset()
     stats = tmp_path / "stats.json"

@@ -108,17 +108,6 @@ def check_no_recompile_after_warm_up(target, drafter):
     assert sum(stats.rho_hist.values()) == stats.steps and set(stats.bucket_hist) == {1, 2}
 
 
-@pytest.fixture
-def eager_backend(monkeypatch):
-    """torch.compile with backend="eager": dynamo traces, guards and counts recompiles as usual."""
-    real_compile = torch.compile
-
-    def compile_eager(fn, *, mode=None, fullgraph=False, dynamic=None, **_):
-        return real_compile(fn, backend="eager", fullgraph=fullgraph, dynamic=dynamic)
-
-    monkeypatch.setattr(torch, "compile", compile_eager)
-
-
 @pytest.mark.parametrize("draft_vocab", [False, True])
 def test_dcut_switching_rho_never_recompiles_after_warm_up(tiny_pair, fresh_dynamo, eager_backend, draft_vocab):
     target, drafter = tiny_pair

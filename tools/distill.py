@@ -148,13 +148,13 @@ def main(argv=None) -> int:
     peak = matmul_peak(dtype)  # this machine's ceiling in the run's dtype, on the run's threads
     console.log(f"a 2048^3 {str(dtype).replace('torch.', '')} matmul runs {peak:.0f} GFLOP/s on "
                 f"{torch.get_num_threads()} threads here")
-    before = Path(args.out).is_file() and len(torch.load(args.out)["sequences"])
+    before = len(torch.load(args.out)["sequences"]) if Path(args.out).is_file() else 0  # sequences from earlier runs
     t0 = time.perf_counter()
     data = generate_chat(target, ids, args.max_new_tokens, args.batch_size, Path(args.out), meta, console,
                          args.temperature, share, args.seconds)
     seconds = time.perf_counter() - t0
     lens = [len(s) - st for s, st in zip(data["sequences"], data["starts"])]
-    new = sum(lens[before or 0:])
+    new = sum(lens[before:])
     rate = new / seconds
     console.log(f"{args.out}: {len(lens)} sequences, {sum(lens)} generated tokens (mean {sum(lens) / len(lens):.0f}); "
                 f"this run {new} in {seconds:.0f} s: {rate:.0f} tokens/s, {rate / torch.get_num_threads():.0f} per "

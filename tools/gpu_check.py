@@ -78,8 +78,8 @@ compile into compile_cache/inductor, as runtime.setup sets it). Graphs compiled:
 Planned seconds: bandwidth 5, cold 210, warm 90, steps 160, slack 15 (480). No 36-layer graph has been
 compiled on a GPU yet; 8 layers took ~21 s a graph on an H200, so at full depth (~95 s a graph if it
 grows with the layers) the cold child may finish only two or three of its seven graphs in 210 s: it
-reports those, and the steps part then budgets on them (on that 95 s if it finished none). Each part gets its plan's share of
-the time left (one that ends early leaves its time to the next); a child is killed at its limit and keeps
+reports those, and the steps part then budgets on them (on that 95 s if it finished none). Each part
+gets its plan's share of the time left (one that ends early leaves its time to the next); a child is killed at its limit and keeps
 what it wrote (the graphs it finished); a step starts only if its graphs, at the cold seconds per graph
 seen so far, end before the deadline.
 
