@@ -179,10 +179,11 @@ def build_policy(spec: str = "dcut", *, table: CostTable | None = None, rhos=DEF
     policy = Policy.dcut(table, grid, label=spec, **kw)
     if table.state:
         try:
-            policy.load_state(table.state)
+            notes = policy.load_state(table.state)
         except ValueError as e:
-            if log:
-                log(f"learned policy state not used: {e}")
+            notes = [f"learned policy state not used: {e}"]
+        for note in notes if log else ():
+            log(note)
     return policy
 
 

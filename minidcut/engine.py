@@ -11,8 +11,8 @@ draft     usually the draft the previous step made ahead (Batch.take_ahead); a f
           changed hands or the bucket changed: drafter block -> confidences -> dcut.select (prefix
           scores, keep_len and gain of every rho) -> rho* = Policy.choose, its pick sent to the host
 verify    the verify graph of (b, K(rho*)): anchor + kept prefix of every row, packed into T = b + K
-          tokens -> target forward -> accept -> commit; then, unless the step is a probe, the next
-          step's block is drafted with this step's plan (runner.py, "The draft made ahead")
+          tokens -> target forward -> accept -> commit; then, unless the next step likely runs AR,
+          the next step's block is drafted with this step's plan (runner.py, "The draft made ahead")
 commit    each request gets its committed tokens; finished requests free their rows
 observe   one StepRecord to the policy (calibration, the cost table's entry, skip drafting)
 
@@ -133,7 +133,6 @@ class Engine:
         if free:
             t0 = time.perf_counter()
             new = [pending.popleft() for _ in free]
-            batch.admitted += len(new)
             # Where drafting is off the drafter's context of the prompts waits, like skipped steps'.
             write = not self.policy.drafting_off(self.bucket_for(max(batch.live + free) + 1))
             first = self.runner.prefill(free, new, batch, write).tolist()
@@ -163,21 +162,19 @@ class Engine:
         if self.drafter is None:
             return StepPlan(False, [], 1.0)
         usable = batch.usable(self.D) if self.policy.can_skip else None  # only a skip controller reads it
-        return self.policy.plan(b, batch.n_behind, len(batch.live), usable)
+        return self.policy.plan(b, len(batch.live), usable)
 
     def record(self, rows: list[int], b: int, plan: StepPlan, draft: Draft | None, K: int, n_commit, sent,
                clock: StepClock, redrafted: bool, batch: Batch) -> StepRecord:
         """The step as it ran over the live rows `rows`, for the policy and the stats. A drafting step
         takes the seconds prefills spent on the drafter's context of prompts since the last one."""
         prompt_context, batch.prompt_context = (batch.prompt_context, 0.0) if plan.draft else (0.0, batch.prompt_context)
-        admitted, batch.admitted = batch.admitted, 0
         seconds = clock.step_seconds(redrafted)
         return StepRecord(bucket=b, n_live=len(rows), drafted=plan.draft,
                           rho=self.policy.rhos[draft.rho_index] if K else 0.0,
                           predicted=draft.predicted if plan.draft else 0.0,
-                          accepted=int(n_commit[rows].sum()) - len(rows), seconds=seconds, catchup=sent.catchup_seconds,
-                          caught_up=sent.caught_up, redraft=clock.redraft, usable=plan.usable,
-                          prompt_context=prompt_context, admitted=admitted)
+                          accepted=int(n_commit[rows].sum()) - len(rows), seconds=seconds,
+                          redraft=clock.redraft, usable=plan.usable, prompt_context=prompt_context)
 
     def commit(self, batch: Batch, commit, n_commit, draft: Draft | None, stats: Stats, on_finish) -> None:
         """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus)."""

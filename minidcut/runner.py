@@ -7,7 +7,7 @@ the rows a compaction moves, the positions a catch-up writes), and one to the ho
 (Runner.verify: the committed tokens, with the pick of the draft made ahead). A fresh draft syncs once
 more, on its pick. An admission's prefill is one copy each way of its own.
 
-The draft made ahead. A drafting step that is not a probe drafts the next step's block right after its
+The draft made ahead. A drafting step whose next step likely drafts too drafts that step's block right after its
 verification (Runner.verify, ahead=True). It reuses this step's draft inputs on the device, its plan's
 gain scale and costs, with each row's limit lowered by what the row committed: the next step's rho* is
 chosen with this step's calibration and costs (one step of lag), and its pick crosses to the host with
@@ -43,8 +43,7 @@ class Sent:
     """What a step sent to the device in its one copy (None: nothing of that kind)."""
 
     draft_inputs: torch.Tensor | None = None  # DraftInputs [b + 2 + n_rho]
-    caught_up: int = 0  # positions whose drafter context the catch-up wrote
-    catchup_seconds: float = 0.0
+    catchup_seconds: float = 0.0  # of the catch-up of the drafter's context (the positions skipped steps left)
 
 
 class Runner:
@@ -99,7 +98,7 @@ class Runner:
             self.move_rows(batch, rows.device)
         sent = Sent(inputs.device if inputs is not None else None)
         if positions is not None:
-            sent.caught_up, sent.catchup_seconds = len(behind) // 2, self.catch_up(positions.device)
+            sent.catchup_seconds = self.catch_up(positions.device)
         return sent
 
     def move_rows(self, batch: Batch, sent: torch.Tensor) -> None:

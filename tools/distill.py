@@ -9,8 +9,8 @@ chat     prompts from a JSONL file (or .jsonl.gz) put under the target's chat te
          and not only its argmax path
 
 A data file holds the token sequences (prompt + continuation) and, per sequence, the first position
-a drafter is trained to draft from (`starts`: the first generated token in chat mode), and whether it
-was sampled (`sampled`). Chat data is written in resumable chunks: run the command again and it continues
+a drafter is trained to draft from (`starts`: the first generated token in chat mode), whether it
+was sampled (`sampled`) and the target's dtype that wrote it (`dtypes`). Chat data is written in resumable chunks: run the command again and it continues
 where the file stops.
 
     python tools/chat_prompts.py --train /tmp/chat_train.jsonl
@@ -80,6 +80,7 @@ def generate_chat(target, prompts: list[list[int]], max_new_tokens: int, batch_s
         if data["meta"].get(key, 0.0 if key != "prompts" else None) != meta.get(key):
             raise SystemExit(f"error: {out} was made with {key} {data['meta'].get(key)}, not {meta.get(key)}")
     data.setdefault("sampled", [False] * len(data["sequences"]))
+    data.setdefault("dtypes", [data["meta"].get("dtype", "torch.float32")] * len(data["sequences"]))
     done = len(data["sequences"])
     max_seq = max(map(len, prompts)) + max_new_tokens + 2
     t0 = time.time()
@@ -103,6 +104,7 @@ def generate_chat(target, prompts: list[list[int]], max_new_tokens: int, batch_s
         data["sequences"] += [prompts[j] + outs[j] for j in chunk]
         data["starts"] += [len(prompts[j]) for j in chunk]
         data["sampled"] += [sampled_at(j, share) for j in chunk]
+        data["dtypes"] += [meta["dtype"]] * len(chunk)
         save(data, out)
         n = len(data["sequences"])
         rate = sum(map(len, data["sequences"][done:])) / (time.time() - t0)

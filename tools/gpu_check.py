@@ -479,7 +479,7 @@ def count_syncs(device):
 
 def bench_batch_size(engines: dict, B: int, prompts: list[list[int]], s: dict, errors: dict,
                      deadline: float = float("inf")) -> list[dict]:
-    """Every engine at batch size B: Engine.warmup of bucket B's graphs (a probe's too) and a warm pass
+    """Every engine at batch size B: Engine.warmup of bucket B's graphs (a try of drafting's too) and a warm pass
     (compile and record its graphs), then bench_repeats timed passes, the policies taking turns.
     new_graphs: graph keys used for the first time (a timed pass that needed one measured a compile).
     A policy that fails is recorded in errors[spec] and left out. Past the deadline no engine starts its
