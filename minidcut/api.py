@@ -179,11 +179,10 @@ def build_policy(spec: str = "dcut", *, table: CostTable | None = None, rhos=DEF
     policy = Policy.dcut(table, grid, label=spec, **kw)
     if table.state:
         try:
-            notes = policy.load_state(table.state)
+            policy.load_state(table.state)
         except ValueError as e:
-            notes = [f"learned policy state not used: {e}"]
-        for note in notes if log else ():
-            log(note)
+            if log:
+                log(f"learned policy state not used: {e}")
     return policy
 
 

@@ -72,6 +72,7 @@ class Batch:
     ahead: Ahead | None = None  # the next step's draft, made by this step
     prompt_context: float = 0.0  # seconds prefills spent on the drafter's context of prompts, not yet
     #                              charged to a drafting step (Engine.record)
+    admitted: int = 0  # requests admitted since the last step's record (Engine.record)
 
     @classmethod
     def empty(cls, rows: int, device) -> "Batch":
@@ -122,6 +123,11 @@ class Batch:
         """The most tokens a live row may still emit: at most this many steps are left (fewer if rows
         accept drafts or stop early)."""
         return max((r.limit + 1 for r in self.requests if r is not None), default=0)
+
+    @property
+    def n_behind(self) -> int:
+        """Committed positions of the live rows whose drafter context K/V is not written (behind)."""
+        return sum(r.anchor_pos - self.written[i] for i, r in enumerate(self.requests) if r is not None)
 
     def behind(self) -> list[int]:
         """[rows + positions] of committed tokens whose drafter context is not written, now marked as

@@ -111,33 +111,13 @@ def bench_batch(B, specs, models, prompts, args, console) -> tuple[list[dict], d
         engines[spec].generate(ids[-B:], min(args.max_new_tokens, 2 * drafter.block_size))
         rows[spec] = {"warmup_seconds": time.perf_counter() - t0, "runs": []}
     for rep in range(args.repeats):
-        order = specs[rep % len(specs):] + specs[: rep % len(specs)]  # each policy follows each other one alike
         passes = together(engines, ids, args.max_new_tokens) if args.lockstep else (
-            (spec, engines[spec].generate(ids, args.max_new_tokens)[1]) for spec in order)  # interleaved
+            (spec, engines[spec].generate(ids, args.max_new_tokens)[1]) for spec in pass_order(specs, rep))
         for spec, stats in passes:
             rows[spec]["runs"].append(stats.as_dict())
             console.log(f"B={B} {spec:>12} pass {rep + 1}: {rows[spec]['runs'][-1]['tokens_per_second']:.1f} tok/s")
-    out = []
-    for spec in specs:
-        runs = rows[spec]["runs"]
-        mid = sorted(runs, key=lambda r: r["tokens_per_second"])[len(runs) // 2]
-        rec = {"batch_size": B, "policy": spec, "warmup_seconds": rows[spec]["warmup_seconds"],
-               "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
-               "tokens_per_second_runs": [r["tokens_per_second"] for r in runs], **{
-                   k: mid[k] for k in ("tau", "keep_ratio", "rho_histogram", "bucket_histogram", "seconds",
-                                       "steps", "generated_tokens",
-                                       "predicted_accepted_raw", "predicted_accepted", "realized_accepted",
-                                       "drafting_request_steps")}}
-        if rec["drafting_request_steps"]:
-            n_rs = rec["drafting_request_steps"]
-            rec["tau_error_uncalibrated"] = abs(rec["predicted_accepted_raw"] - rec["realized_accepted"]) / n_rs
-            rec["tau_error_calibrated"] = abs(rec["predicted_accepted"] - rec["realized_accepted"]) / n_rs
-        out.append(rec)
-    ar = next((r for r in out if r["policy"] == "ar"), None)
-    for r in out:  # and pass by pass: each pass over AR's pass of the same round
-        r["speedup_vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"] if ar else None
-        r["speedup_vs_ar_runs"] = [x / y for x, y in zip(r["tokens_per_second_runs"], ar["tokens_per_second_runs"])] \
-            if ar else None
+    out = [record(B, spec, rows[spec]["runs"], rows[spec]["warmup_seconds"]) for spec in specs]
+    add_speedups(out)
     dcut_specs = [s for s in specs if s.startswith("dcut")]
     if dcut_specs:
         save_table(engines[dcut_specs[0]].policy, table_file)
@@ -149,6 +129,45 @@ def bench_batch(B, specs, models, prompts, args, console) -> tuple[list[dict], d
                 r["select_seconds"] = sel
                 r["select_fraction_of_step"] = sel / step if step else None
     return out, table.to_json() if table is not None else None
+
+
+def pass_order(specs: list[str], rep: int) -> list[str]:
+    """The policies' order in timed pass `rep`, rotated by one a pass (A B C, B C A, C A B): each policy
+    follows each other one alike."""
+    return specs[rep % len(specs):] + specs[: rep % len(specs)]
+
+
+def median_pass(runs: list[dict]) -> dict:
+    """Of passes (Stats.as_dict each), the one of median tokens/s (the upper one of an even count)."""
+    return sorted(runs, key=lambda r: r["tokens_per_second"])[len(runs) // 2]
+
+
+def record(B: int, spec: str, runs: list[dict], warmup_seconds: float) -> dict:
+    """The record of one policy at batch size B from its timed passes (Stats.as_dict each): tokens/s of
+    each pass and their median, the rest from the median pass, and the error per drafting request step
+    of the accepted drafts the policy predicted, before and after calibration."""
+    mid = median_pass(runs)
+    rec = {"batch_size": B, "policy": spec, "warmup_seconds": warmup_seconds,
+           "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+           "tokens_per_second_runs": [r["tokens_per_second"] for r in runs], **{
+               k: mid[k] for k in ("tau", "keep_ratio", "rho_histogram", "bucket_histogram", "seconds", "steps",
+                                   "generated_tokens", "predicted_accepted_raw", "predicted_accepted",
+                                   "realized_accepted", "drafting_request_steps")}}
+    if rec["drafting_request_steps"]:
+        n_rs = rec["drafting_request_steps"]
+        rec["tau_error_uncalibrated"] = abs(rec["predicted_accepted_raw"] - rec["realized_accepted"]) / n_rs
+        rec["tau_error_calibrated"] = abs(rec["predicted_accepted"] - rec["realized_accepted"]) / n_rs
+    return rec
+
+
+def add_speedups(records: list[dict]) -> None:
+    """speedup_vs_ar of each record of one batch size (None without an AR record), and pass by pass:
+    each pass over AR's pass of the same round."""
+    ar = next((r for r in records if r["policy"] == "ar"), None)
+    for r in records:
+        r["speedup_vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"] if ar else None
+        r["speedup_vs_ar_runs"] = [x / y for x, y in zip(r["tokens_per_second_runs"], ar["tokens_per_second_runs"])] \
+            if ar else None
 
 
 def together(engines: dict[str, Engine], ids, max_new_tokens: int) -> list[tuple[str, object]]:

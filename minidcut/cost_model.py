@@ -19,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .runtime import write_atomically
 
 TABLE_DIR = Path(__file__).resolve().parent.parent / "compile_cache" / "cost_tables"
 # METHOD 7: the AR entry timed in a run of AR steps, the skip evidence's lumps kept apart; 6: the skip decision is a confidence bound (skipping.Evidence); 5: skip states learned from rows at their ends are not reused; 4: a step that does not draft runs
@@ -111,12 +112,7 @@ class CostTable:
 
     def save(self, path: Path) -> Path:
         """Write atomically: a run stopped half-way leaves the previous file whole."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        os.replace(tmp, path)
-        return path
+        return write_atomically(path, lambda tmp: tmp.write_text(json.dumps(self.to_json(), indent=1)))
 
     @classmethod
     def load(cls, path: Path) -> "CostTable":

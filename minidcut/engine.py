@@ -11,8 +11,8 @@ draft     usually the draft the previous step made ahead (Batch.take_ahead); a f
           changed hands or the bucket changed: drafter block -> confidences -> dcut.select (prefix
           scores, keep_len and gain of every rho) -> rho* = Policy.choose, its pick sent to the host
 verify    the verify graph of (b, K(rho*)): anchor + kept prefix of every row, packed into T = b + K
-          tokens -> target forward -> accept -> commit; then, unless the next step likely runs AR,
-          the next step's block is drafted with this step's plan (runner.py, "The draft made ahead")
+          tokens -> target forward -> accept -> commit; then, unless the step is a probe, the next
+          step's block is drafted with this step's plan (runner.py, "The draft made ahead")
 commit    each request gets its committed tokens; finished requests free their rows
 observe   one StepRecord to the policy (calibration, the cost table's entry, skip drafting)
 
@@ -30,11 +30,11 @@ import torch
 
 from . import profiler
 from .batch import Batch, Request, batch_buckets
-from .graphs import REPLAYED, Draft
+from .graphs import REPLAYED
 from .layers import is_packed
 from .model import Transformer
 from .policy import Policy, StepPlan, StepRecord
-from .runner import Runner
+from .runner import Ran, Runner
 from .stats import StepClock, Stats
 
 
@@ -81,7 +81,7 @@ class Engine:
         --lockstep): (requests, Stats, steps), steps yielding each step's StepRecord; every request's
         output is complete once it is exhausted. Bad prompts raise here, before any step."""
         requests = Request.checked(prompts, max_new_tokens, self.target.cfg.vocab_size, self.block, self.max_seq)
-        stats = Stats(policy=self.policy.label, batch_size=self.batch_size, requests=len(requests),
+        stats = Stats(policy=self.policy.label, batch_size=self.batch_size, requests=len(requests), depth=self.D,
                       trace=[] if trace else None)
         return requests, stats, self.steps(requests, stats, on_finish)
 
@@ -104,23 +104,12 @@ class Engine:
         moved = self.compact(batch) if not pending else []  # a draining batch moves down a bucket
         b = self.bucket_for(batch.live[-1] + 1)
         moved = self.measure_missing_row(batch, b, moved, stats, clock)  # a first step at b without costs
-        cold = self.runner.graphs.cold_calls
         plan = self.plan(batch, b)  # draft or not; the costs and gain scale rho* is chosen with
-        draft = batch.take_ahead(b, use=plan.draft)  # drafted by the previous step, if still valid
-        sent = self.runner.send(batch, b, plan if plan.draft else None, moved)  # the step's one copy in
-        clock.mark("draft", catchup=sent.catchup_seconds)
-        fresh = plan.draft and draft is None
-        if fresh:  # rows changed hands: draft + select + rho* now, its pick copied to the host
-            draft = self.runner.fresh_draft(batch, b, sent.draft_inputs)
-        K = self.runner.graphs.budgets(b)[draft.rho_index] if draft is not None else 0
-        clock.mark("verify")
-        commit, n_commit, kept, clock.ahead = self.runner.verify(batch, b, draft, K, ahead=plan.draft and plan.ahead)
-        clock.mark("commit")
-        clock.cold = self.runner.graphs.cold_calls > cold  # compiled on first use: not a step's seconds
+        ran = self.runner.step(batch, b, plan, moved, clock)  # draft (or the one made ahead), verify
         rows = batch.live
-        self.commit(batch, commit, n_commit, draft, stats, on_finish)  # tokens to requests; finished leave
-        rec = self.record(rows, b, plan, draft, K, n_commit, sent, clock, fresh and plan.ahead, batch)
-        stats.add(rec, kept[rows], self.D, self.policy.calibration.gain_scale, draft, n_commit[rows], rows)
+        self.commit(batch, ran, stats, on_finish)  # tokens to requests (finished ones leave), the next draft
+        rec = self.record(rows, b, plan, ran, clock, batch)
+        stats.add(rec, self.policy.calibration.gain_scale, ran, rows)
         self.policy.observe(rec)  # calibration, the table's entry, skip drafting
         clock.charge(stats)
         return rec
@@ -133,6 +122,7 @@ class Engine:
         if free:
             t0 = time.perf_counter()
             new = [pending.popleft() for _ in free]
+            batch.admitted += len(new)
             # Where drafting is off the drafter's context of the prompts waits, like skipped steps'.
             write = not self.policy.drafting_off(self.bucket_for(max(batch.live + free) + 1))
             first = self.runner.prefill(free, new, batch, write).tolist()
@@ -153,7 +143,12 @@ class Engine:
             return moved
         if moved:  # the measured steps run on the rows in place
             self.runner.send(batch, b, None, moved)
-        clock.measuring = profiler.measure_row(self, batch, b)
+        t0 = time.perf_counter()
+        row, samples, timed = profiler.measure_row(self, batch, b)
+        self.policy.table.add_row(b, row, samples)
+        for rec in timed:  # what the timed drafting steps would have accepted
+            self.policy.observe(rec)
+        clock.measuring = time.perf_counter() - t0
         stats.seconds["profile"] += clock.measuring
         return []
 
@@ -162,27 +157,29 @@ class Engine:
         if self.drafter is None:
             return StepPlan(False, [], 1.0)
         usable = batch.usable(self.D) if self.policy.can_skip else None  # only a skip controller reads it
-        return self.policy.plan(b, len(batch.live), usable)
+        return self.policy.plan(b, batch.n_behind, len(batch.live), usable)
 
-    def record(self, rows: list[int], b: int, plan: StepPlan, draft: Draft | None, K: int, n_commit, sent,
-               clock: StepClock, redrafted: bool, batch: Batch) -> StepRecord:
+    def record(self, rows: list[int], b: int, plan: StepPlan, ran: Ran, clock: StepClock, batch: Batch) -> StepRecord:
         """The step as it ran over the live rows `rows`, for the policy and the stats. A drafting step
         takes the seconds prefills spent on the drafter's context of prompts since the last one."""
         prompt_context, batch.prompt_context = (batch.prompt_context, 0.0) if plan.draft else (0.0, batch.prompt_context)
-        seconds = clock.step_seconds(redrafted)
+        admitted, batch.admitted = batch.admitted, 0
         return StepRecord(bucket=b, n_live=len(rows), drafted=plan.draft,
-                          rho=self.policy.rhos[draft.rho_index] if K else 0.0,
-                          predicted=draft.predicted if plan.draft else 0.0,
-                          accepted=int(n_commit[rows].sum()) - len(rows), seconds=seconds,
-                          redraft=clock.redraft, usable=plan.usable, prompt_context=prompt_context)
+                          rho=self.policy.rhos[ran.draft.rho_index] if ran.K else 0.0,
+                          predicted=ran.draft.predicted if plan.draft else 0.0,
+                          accepted=int(ran.n_commit[rows].sum()) - len(rows), kept=int(ran.kept[rows].sum()),
+                          seconds=clock.step_seconds(), catchup=clock.catchup, caught_up=ran.caught_up,
+                          redraft=clock.redraft, usable=plan.usable, prompt_context=prompt_context, admitted=admitted)
 
-    def commit(self, batch: Batch, commit, n_commit, draft: Draft | None, stats: Stats, on_finish) -> None:
-        """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus)."""
+    def commit(self, batch: Batch, ran: Ran, stats: Stats, on_finish) -> None:
+        """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus), and the
+        batch the next step's draft, if the step made one ahead."""
         for i in batch.live:
-            n = int(n_commit[i])
-            if draft is not None:  # the drafter's context K/V is now written up to the new anchor
+            n = int(ran.n_commit[i])
+            if ran.draft is not None:  # the drafter's context K/V is now written up to the new anchor
                 batch.written[i] = batch.requests[i].anchor_pos + n
-            self.emit(batch, i, commit[i, :n].tolist(), stats, on_finish)
+            self.emit(batch, i, ran.commit[i, :n].tolist(), stats, on_finish)
+        batch.ahead = ran.ahead
 
     def emit(self, batch: Batch, row: int, tokens: list[int], stats: Stats, on_finish) -> None:
         """Append tokens to a row's request up to EOS or max_new_tokens (a block can end mid-way: the
@@ -247,6 +244,16 @@ class Engine:
         """Each graph this engine compiled, in order, with the seconds of its first run (its compiling)."""
         return [(self.runner.graphs.name(k), s) for k, s in self.runner.graphs.compile_seconds.items()]
 
+    def graph_use(self) -> tuple[int, int]:
+        """(graphs made so far, their runs summed), compiled or eager: two readings around a pass say
+        how many graph runs it made and whether it used a graph for the first time (tools/gpu_check.py)."""
+        return len(self.runner.graphs.graphs), sum(self.runner.graphs.calls.values())
+
+    def positions_read(self, reach: int) -> int:
+        """Cache positions a step's attention reads when its furthest token sits at position reach - 1:
+        all max_seq of them compiled (static shapes), eager the span rounded up (runner.Runner.span)."""
+        return self.runner.span(reach) or self.max_seq
+
     @torch.inference_mode()
     def warmup(self, max_batch: int | None = None, calls: int = REPLAYED, min_batch: int = 1) -> float:
         """Run every graph reachable at buckets in [min_batch, max_batch] (default: all) `calls` times on
@@ -270,8 +277,7 @@ class Engine:
             for _ in range(calls):
                 z = [torch.zeros(b, dtype=torch.long, device=self.device) for _ in range(3)]  # fresh: never aliased
                 if kind == "draft":
-                    plan = StepPlan(True, [1.0] * len(self.policy.rhos), 1.0)
-                    drafts[b] = self.runner.draft(z[0], z[1], [0] * b, 0, plan)
+                    drafts[b] = self.runner.draft(z[0], z[1], [0] * b, 0, StepPlan.neutral(len(self.policy.rhos)))
                 elif K == 0:
                     fn(*z, None, None)
                 else:

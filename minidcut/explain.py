@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from .dcut import budget
+from .skipping import CONFIDENCE
 from .stats import Stats
 
 
@@ -50,13 +51,20 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
         if not skip.possible:
             lines.append(f"drafting never runs at bucket {b}: even if every kept draft were accepted, no rho "
                          "commits more per second than an AR step")
+        elif skip.state == "off":
+            cheapest = min(c for r, c in skip.cost.items() if r > 0) / skip.cost[0.0]
+            ev = skip.evidence
+            lines.append(f"drafting is off at bucket {b}: its drafting steps "
+                         f"committed {1 + skip.usual_accepted:.2f} tokens per request per step, where the cheapest "
+                         f"costs {cheapest:.1f} AR steps (gain over AR steps {skip.gain:+.2f} tokens per request per "
+                         f"step over ~{ev.n:.0f} steps, {CONFIDENCE:.0%} sure it is below zero); a probe checks "
+                         f"again every {skip.probe_period()} steps or more (the more drafter context it must catch "
+                         "up, the later)")
         else:
-            scores = {arm: skip.score(arm) for arm in (True, False)}
-            said = "; ".join(f"{name} {1e3 / scores[arm]:.1f} ms a token per request" for arm, name in
-                             ((True, "drafting steps"), (False, "AR steps")) if scores[arm])
-            lines.append(f"drafting is {'on' if skip.drafting else 'off'} at bucket {b}" + (f" ({said}, "
-                         "their recent steps)" if said else "") + f"; the other arm is tried again within "
-                         f"{max(skip.wait - skip.since, 1)} steps")
+            ev = skip.evidence
+            lines.append(f"drafting is on at bucket {b}" + (
+                f": gain over AR steps {skip.gain:+.2f} tokens per request per step over ~{ev.n:.0f} steps, not "
+                f"{CONFIDENCE:.0%} sure it is below zero" if ev.n >= 1.5 else ""))
     for bucket, left in sorted(stats.unmeasured.items()):
         lines.append(f"bucket {bucket} ran AR steps without a cost row: its rows had at most {left} steps left, "
                      "fewer AR steps' time than measuring its row takes")

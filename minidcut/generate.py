@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -155,10 +154,8 @@ class ResultWriter:
             return
         self.file.close()
         if complete:  # the whole run finished: rewrite in input order (atomically)
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(self.done[i]) + "\n" for i in sorted(self.done))
-            os.replace(tmp, self.path)
+            runtime.write_atomically(self.path, lambda tmp: tmp.write_text(
+                "".join(json.dumps(self.done[i]) + "\n" for i in sorted(self.done))))
 
 
 def run(args, console: Console) -> int:

@@ -21,14 +21,13 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from .dcut import budget, select
 from .model import causal_layout
 from .policy import StepPlan
-from .runtime import COMPILE_CACHE
+from .runtime import COMPILE_CACHE, write_atomically
 from .sampling import accept, sample, sample_keys
 
 REPLAYED = 3  # runs after which a compiled graph is compiled, recorded (reduce-overhead) and replayed
@@ -55,6 +54,13 @@ class DraftInputs:
     def unpack(inputs: torch.Tensor, b: int):
         """-> limit [b] (long), n_live, gain_scale, cost [n_rho]."""
         return inputs[:b].long(), inputs[b], inputs[b + 1], inputs[b + 2 :]
+
+
+
+def longest_row(block: int, K: int) -> int:
+    """Tokens of the longest row a verification with K kept drafts packs: its anchor and at most
+    min(D, K) drafts (D = block - 1)."""
+    return min(block, K + 1)
 
 
 @dataclass
@@ -115,10 +121,7 @@ class Graphs:
             saved = {}
         saved = saved if isinstance(saved, dict) else {}
         saved[self.signature()] = round(seconds_per_graph, 2)
-        Path(self.record).parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.record.with_name(self.record.name + ".tmp")
-        tmp.write_text(json.dumps(saved, indent=1) + "\n")
-        tmp.replace(self.record)
+        write_atomically(self.record, lambda tmp: tmp.write_text(json.dumps(saved, indent=1) + "\n"))
 
     def budgets(self, b: int) -> list[int]:
         """K(rho) for every rho of the policy's grid at bucket b."""
@@ -193,7 +196,7 @@ class Graphs:
         drafts [b, D]; keep_len [b] with sum <= K; span: cache positions attention reads (None: all) ->
         commit [b, block] (accepted drafts then the bonus), n_commit [b], the new anchor and anchor_pos [b]."""
         b, dev = anchor.shape[0], anchor.device
-        Q = min(self.block, K + 1)  # the longest row: anchor + at most min(D, K) drafts
+        Q = longest_row(self.block, K)
         T = b + K
         if span is not None:  # empty rows too stay inside it (a live row always is): a window never
             anchor_pos = anchor_pos.clamp(max=span - Q)  # hides every key from a token

@@ -34,9 +34,15 @@ class StepPlan:
     draft: bool  # run the drafter (False: an AR step)
     cost: list[float]  # the draft graph's cost input [n_rho]: seconds per step at the bucket
     gain_scale: float  # calibrated / raw expected accepted drafts (calibration.py)
-    ahead: bool = True  # a drafting step drafts the next block after verifying (not where the next step
-    #                     likely runs AR: its draft would be paid for nothing)
+    ahead: bool = True  # a drafting step drafts the next block after verifying (not a probe: the step
+    #                     after one likely runs AR, and its draft would be paid for nothing)
     usable: int | None = None  # drafts the live rows could still emit when planned (Batch.usable; None: not asked)
+
+    @classmethod
+    def neutral(cls, n_rho: int) -> "StepPlan":
+        """A drafting plan whose costs and gain scale do not matter (flat, raw): for warm-ups and timed
+        steps, whose work is the same whatever rho* they pick."""
+        return cls(True, [1.0] * n_rho, 1.0)
 
 
 @dataclass
@@ -49,11 +55,15 @@ class StepRecord:
     rho: float = 0.0  # the verified budget ratio (0: nothing kept)
     predicted: float = 0.0  # that budget's expected accepted drafts, uncalibrated (drafting steps)
     accepted: int = 0  # drafts accepted
+    kept: int = 0  # drafts verified
     seconds: float = 0.0  # the step's measured seconds (0: not measured)
+    catchup: float = 0.0  # seconds spent before it writing the drafter's context of skipped steps
+    caught_up: int = 0  # positions that catch-up wrote
     redraft: float = 0.0  # seconds of a draft made afresh on top of the step's own (its rows changed)
     prompt_context: float = 0.0  # seconds prefills spent on the drafter's context of prompts since the last
     #                              drafting step (drafting's cost: an AR run writes no drafter context)
     usable: int | None = None  # drafts the live rows could still emit (Batch.usable; None: not known)
+    admitted: int = 0  # requests admitted since the previous step (the first step: all its rows')
     timed: bool = False  # a profiler's timed step (profiler.measure_row): rows that do not advance, so its
     #                      repeats are one state, not independent samples: calibration learns from it, the
     #                      skip decision does not
@@ -63,7 +73,7 @@ class Policy:
     """The paper's rule: a rho grid, the table's costs at the bucket, and rho* = argmax gain / cost."""
 
     def __init__(self, name: str, rhos, table: CostTable | None = None, *, count_anchors: bool = True,
-                 calibrate: bool = False, skip_drafting: bool = False, label: str | None = None):
+                 calibrate: bool = False, skip_drafting: bool = False, label: str | None = None, **skip_kw):
         if name not in ("ar", "full", "static", "dcut"):
             raise ValueError(f"unknown policy {name!r} (choose from ar, full, static, dcut)")
         self.name, self.rhos, self.table = name, sorted(float(r) for r in rhos), table
@@ -77,6 +87,7 @@ class Policy:
         self.calibration = Calibration(enabled=calibrate)
         self.can_skip = skip_drafting and name == "dcut" and self.rhos[0] == 0.0 and len(self.rhos) > 1
         self.skipping: dict[int, SkipDrafting] = {}  # per bucket, when drafting may be skipped
+        self._skip_kw = skip_kw
 
     @classmethod
     def ar(cls):
@@ -132,27 +143,28 @@ class Policy:
             return self.skipping[bucket]
         if not self.can_skip or self.costs(bucket) is None:
             return None
-        self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.depth)
+        self.skipping[bucket] = SkipDrafting(bucket, self.rhos, self.table, self.depth, **self._skip_kw)
         return self.skipping[bucket]
 
     def drafting_off(self, bucket: int) -> bool:
         """Whether the bucket's skip controller has drafting off (or never drafts there): a prefill
         there leaves the drafter's context of its prompts to the next catch-up."""
         skip = self.skip(bucket)
-        return skip is not None and not (skip.drafting and skip.possible)
+        return skip is not None and (skip.state == "off" or not skip.possible)
 
-    def plan(self, bucket: int, n_live: int | None = None, usable: int | None = None) -> StepPlan:
+    def plan(self, bucket: int, behind: int = 0, n_live: int | None = None, usable: int | None = None) -> StepPlan:
         """What the next step at `bucket` runs: whether it drafts (never without the bucket's costs),
-        and the draft graph's inputs. n_live, usable: the live rows and the drafts they can still emit
-        (Batch.usable; default: the whole bucket, a block each). Called once per step: each call counts
-        toward the skip rule's next try."""
+        and the draft graph's inputs. behind: positions whose drafter context a draft would first
+        write (Batch.n_behind); n_live, usable: the live rows and the drafts they can still emit
+        (Batch.usable; default: the whole bucket, a block each). Called once per step: a skipped step
+        counts toward the next probe."""
         costs = self.costs(bucket)
         skip = self.skip(bucket)
-        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now(n_live, usable))
+        draft = self.needs_drafter and costs is not None and (skip is None or skip.draft_now(behind, n_live, usable))
         cost = list(costs or [1.0] * len(self.rhos))
         if skip is not None:  # the draft is paid once drafting: rho = 0 then costs what the smallest rho does
             cost[0] = cost[1]
-        return StepPlan(draft, cost, self.calibration.gain_scale, ahead=skip is None or skip.next_drafts,
+        return StepPlan(draft, cost, self.calibration.gain_scale, ahead=skip is None or skip.state == "drafting",
                         usable=usable)
 
     def committed(self, gain: torch.Tensor, n_live: torch.Tensor, gain_scale: torch.Tensor) -> torch.Tensor:
@@ -184,22 +196,17 @@ class Policy:
         return {"calibration": self.calibration.state,
                 "skipping": {str(b): s.state_dict for b, s in sorted(self.skipping.items())}}
 
-    def load_state(self, state: dict) -> list[str]:
-        """Continue from a saved `state`; returns what of it was dropped, a line each (a skip state saved
-        by the earlier skip rule, which scored drafting another way); ValueError (one line) if it is not
-        a saved policy state."""
+    def load_state(self, state: dict) -> None:
+        """Continue from a saved `state`; ValueError (one line) if it is not one."""
         try:
             self.calibration.load_state(state["calibration"])
-            old = [b for b, s in state["skipping"].items() if "evidence" in s]
             for b, s in state["skipping"].items():
                 skip = self.skip(int(b))
-                if skip is not None and b not in old:
+                if skip is not None:
                     skip.load_state(s)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             self.reset()
             raise ValueError(f"not a saved policy state ({type(e).__name__}: {e})") from None
-        return [f"skip states of the earlier skip rule dropped (batch sizes {', '.join(old)}): "
-                "drafting there starts from nothing"] if old else []
 
     def reset(self) -> None:
         """Forget everything learned online."""

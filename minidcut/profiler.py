@@ -55,26 +55,14 @@ def nondecreasing(xs: list[float]) -> list[float]:
 
 
 def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, ri: int, reach: int):
-    """Seconds of one step at the grid's rho index ri on rows [0, b) (K = 0: a step without a draft),
-    its Draft (None for K = 0) and its committed tokens per row n_commit [b]; reach: one past the
-    furthest live anchor (the attention span follows it, runner.Runner.span). Nothing advances: the rows'
-    anchors and positions are not touched."""
-    b, dev = anchor.shape[0], anchor.device
-    K = engine.runner.graphs.budgets(b)[ri]
-    span = engine.runner.verify_span(reach, K)
-    plan = StepPlan(True, [1.0] * len(engine.policy.rhos), 1.0)  # costs do not change the work
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    """Seconds of one step at the grid's rho index ri on rows [0, b) that advances nothing
+    (runner.Runner.dry_step), its Draft (None for K = 0) and its committed tokens per row n_commit [b];
+    reach: one past the furthest live anchor (the attention span follows it)."""
+    if anchor.device.type == "cuda":
+        torch.cuda.synchronize(anchor.device)
     t0 = time.perf_counter()
-    draft = None
-    if K == 0:
-        commit, n_commit = engine.runner.graphs.get("verify", b, 0, write=False)(anchor, anchor_pos, ids, None, None, span)[:2]
-    else:
-        draft = engine.runner.draft(anchor, anchor_pos, limit, n_live, plan, engine.runner.draft_span(reach))  # syncs on rho*
-        commit, n_commit = engine.runner.graphs.get("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri],
-                                                        span)[:2]
-    host = torch.cat([commit, n_commit[:, None]], dim=1).cpu()
-    return time.perf_counter() - t0, draft, host[:, -1]
+    draft, n_commit = engine.runner.dry_step(anchor, anchor_pos, ids, limit, n_live, ri, reach)
+    return time.perf_counter() - t0, draft, n_commit
 
 
 @torch.inference_mode()
@@ -88,12 +76,11 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     over the live rows (their indices): real acceptance the policy can learn from. reach: one past
     the furthest live anchor. on_step(b, rho) after every step."""
     b, rhos, policy, n_live = anchor.shape[0], engine.policy.rhos, engine.policy, len(live)
-    Ks = engine.runner.graphs.budgets(b)
+    Ks = engine.runner.budgets(b)
     seen, samples = [], [0] * len(rhos)
 
     def cell(ri: int, run: int = 0) -> float:
-        keys = [("verify", b, Ks[ri], Ks[ri] > 0)] + ([("draft", b, 0, True)] if Ks[ri] else [])
-        runs = min(engine.runner.graphs.calls[k] for k in keys)  # compiled: run until it replays; eager: once, to allocate
+        runs = engine.runner.runs(b, Ks[ri])  # compiled: run until it replays; eager: once, to allocate
         warm = max(run, REPLAYED - runs if engine.compile else int(runs == 0))
         for _ in range(warm):
             timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri, reach)
@@ -114,8 +101,8 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
         row[ri] = cell(ri)
     if not drafting:
         return row, samples, seen
-    gain = engine.runner.draft(anchor, anchor_pos, limit, n_live, StepPlan(True, [1.0] * len(rhos), 1.0),
-                        engine.runner.draft_span(reach)).gain.tolist()
+    gain = engine.runner.draft(anchor, anchor_pos, limit, n_live, StepPlan.neutral(len(rhos)),
+                               engine.runner.draft_span(reach)).gain.tolist()
     scale = torch.tensor(policy.calibration.gain_scale)
     rate = [float(policy.committed(torch.tensor(g), torch.tensor(float(n_live)), scale)) for g in gain]
     best = max((rate[ri] / row[ri] for ri in range(len(rhos)) if Ks[ri] == 0), default=0.0)
@@ -151,22 +138,18 @@ def worth_measuring(table: CostTable, rhos: list[float], b: int, steps_left: int
     return steps_left * row[rhos.index(0.0)] > measuring
 
 
-def measure_row(engine, batch, b: int) -> float:
-    """Measure the engine's policy's missing cost row at bucket b on the batch's live rows (their
-    outputs and positions are left as they were), add it to the table, and let the policy learn from
-    what the timed drafting steps would have accepted (no seconds: they are not the loop's; marked
-    timed: the skip decision waits for the loop's own steps). Returns its seconds."""
-    t0 = time.perf_counter()
+def measure_row(engine, batch, b: int) -> tuple[list[float], list[int], list[StepRecord]]:
+    """The engine's policy's missing cost row at bucket b [n_rho], measured on the batch's live rows
+    (their outputs and positions are left as they were), the timed steps behind each entry, and what
+    the timed drafting steps would have accepted, as records for the policy to learn from (no seconds:
+    they are not the loop's; marked timed: the skip decision waits for the loop's own steps)."""
     engine.runner.catch_up_batch(batch)  # drafting steps need the drafter's whole context
     rows = batch.live
     row, samples, seen = measure_live(engine, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
                                       batch.limits(b), rows, batch.reach, on_step=engine.on_measure)
-    engine.policy.table.add_row(b, row, samples)
     usable = batch.usable(engine.D)
-    for rho, predicted, accepted in seen:
-        engine.policy.observe(StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
-                                         accepted=accepted, usable=usable, timed=True))
-    return time.perf_counter() - t0
+    return row, samples, [StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
+                                     accepted=accepted, usable=usable, timed=True) for rho, predicted, accepted in seen]
 
 
 @torch.inference_mode()

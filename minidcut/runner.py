@@ -7,7 +7,7 @@ the rows a compaction moves, the positions a catch-up writes), and one to the ho
 (Runner.verify: the committed tokens, with the pick of the draft made ahead). A fresh draft syncs once
 more, on its pick. An admission's prefill is one copy each way of its own.
 
-The draft made ahead. A drafting step whose next step likely drafts too drafts that step's block right after its
+The draft made ahead. A drafting step that is not a probe drafts the next step's block right after its
 verification (Runner.verify, ahead=True). It reuses this step's draft inputs on the device, its plan's
 gain scale and costs, with each row's limit lowered by what the row committed: the next step's rho* is
 chosen with this step's calibration and costs (one step of lag), and its pick crosses to the host with
@@ -28,7 +28,7 @@ import time
 import torch
 
 from .batch import Ahead, Batch, Request
-from .graphs import Draft, DraftInputs, Graphs
+from .graphs import Draft, DraftInputs, Graphs, longest_row
 from .model import prefill_layout
 from .policy import StepPlan
 from .sampling import sample, sample_keys
@@ -43,7 +43,21 @@ class Sent:
     """What a step sent to the device in its one copy (None: nothing of that kind)."""
 
     draft_inputs: torch.Tensor | None = None  # DraftInputs [b + 2 + n_rho]
-    catchup_seconds: float = 0.0  # of the catch-up of the drafter's context (the positions skipped steps left)
+    caught_up: int = 0  # positions whose drafter context the catch-up wrote
+    catchup_seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class Ran:
+    """One step as the runner ran it (Runner.step), on the host."""
+
+    commit: torch.Tensor  # [b, block] each row's committed tokens: accepted drafts, then the bonus
+    n_commit: torch.Tensor  # [b] tokens each row committed
+    kept: torch.Tensor  # [b] drafts each row verified
+    draft: Draft | None  # the draft verified (None: a step that did not draft)
+    K: int  # the verify graph's budget (0: nothing kept)
+    ahead: Ahead | None  # the next step's draft, made after verifying (None: not made)
+    caught_up: int = 0  # positions whose drafter context the step's catch-up wrote first
 
 
 class Runner:
@@ -79,7 +93,7 @@ class Runner:
     def verify_span(self, reach: int, K: int) -> int | None:
         """The span of a verification with K kept drafts at most, anchors before `reach`: each row
         verifies its anchor and at most min(D, K) drafts after it."""
-        return self.span(reach + min(self.block, K + 1) - 1)
+        return self.span(reach + longest_row(self.block, K) - 1)
 
     # ---- the step's copy to the device -----------------------------------------------------------
 
@@ -98,7 +112,7 @@ class Runner:
             self.move_rows(batch, rows.device)
         sent = Sent(inputs.device if inputs is not None else None)
         if positions is not None:
-            sent.catchup_seconds = self.catch_up(positions.device)
+            sent.caught_up, sent.catchup_seconds = len(behind) // 2, self.catch_up(positions.device)
         return sent
 
     def move_rows(self, batch: Batch, sent: torch.Tensor) -> None:
@@ -130,6 +144,64 @@ class Runner:
         self.staging.send()
         return self.catch_up(staged.device)
 
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def step(self, batch: Batch, b: int, plan: StepPlan, moved: list[int], clock) -> Ran:
+        """One decode step over the batch's rows [0, b): its one copy in (the plan's draft inputs, the rows
+        a compaction `moved`, the positions to catch up), the draft the previous step made ahead if still
+        valid or a fresh one (its pick copied to the host), verification of rho*'s budget, and the next
+        step's block drafted ahead where the plan says so. Marks the stats.StepClock as it goes."""
+        cold = self.graphs.cold_calls
+        draft = batch.take_ahead(b, use=plan.draft)  # drafted by the previous step, if still valid
+        sent = self.send(batch, b, plan if plan.draft else None, moved)
+        clock.mark("draft", catchup=sent.catchup_seconds)
+        clock.redrafted = plan.draft and draft is None and plan.ahead
+        if plan.draft and draft is None:  # rows changed hands: draft + select + rho* now
+            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], sent.draft_inputs,
+                                   self.draft_span(batch.reach))
+        K = self.graphs.budgets(b)[draft.rho_index] if draft is not None else 0
+        clock.mark("verify")
+        ran, clock.ahead = self.verify(batch, b, draft, K, ahead=plan.draft and plan.ahead)
+        clock.mark("commit")
+        clock.cold = self.graphs.cold_calls > cold  # compiled on first use: not a step's seconds
+        ran.caught_up = sent.caught_up
+        return ran
+
+    # ---- steps that advance nothing (the profiler) -----------------------------------------------
+
+    def budgets(self, b: int) -> list[int]:
+        """K(rho) for every rho of the policy's grid at bucket b."""
+        return self.graphs.budgets(b)
+
+    def graph(self, kind: str, b: int, K: int = 0, write: bool = True):
+        """The graph of one part of a step ("draft" or "verify" at bucket b with K kept drafts; write: a
+        verification that writes the drafter's context), for a tool that times it alone."""
+        return self.graphs.get(kind, b, K, write)
+
+    def runs(self, b: int, K: int) -> int:
+        """How often the graphs of a step at bucket b verifying K drafts (its draft graph too if K > 0)
+        have run: the fewest of them (compiled ones replay from the REPLAYED-th run)."""
+        keys = [("verify", b, K, K > 0)] + ([("draft", b, 0, True)] if K else [])
+        return min(self.graphs.calls[k] for k in keys)
+
+    def dry_step(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ids: torch.Tensor, limit: list[int],
+                 n_live: int, ri: int, reach: int) -> tuple[Draft | None, torch.Tensor]:
+        """A step at the grid's rho index ri on rows [0, b) (anchor, anchor_pos, ids [b]) that advances
+        nothing: a fresh draft (none if K(rho) = 0) and the verification of its budget, its tokens copied
+        to the host as a step's are. What it writes into the caches lies at or past each row's anchor,
+        which the next real step writes again. Returns the draft and each row's committed tokens [b]."""
+        b = anchor.shape[0]
+        K = self.budgets(b)[ri]
+        span, draft = self.verify_span(reach, K), None
+        if K == 0:
+            commit, n_commit = self.graphs.get("verify", b, 0, write=False)(anchor, anchor_pos, ids, None, None, span)[:2]
+        else:
+            plan = StepPlan.neutral(len(self.graphs.policy.rhos))
+            draft = self.draft(anchor, anchor_pos, limit, n_live, plan, self.draft_span(reach))  # syncs on rho*
+            commit, n_commit = self.graphs.get("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri],
+                                                               span)[:2]
+        return draft, torch.cat([commit, n_commit[:, None]], dim=1).cpu()[:, -1]
+
     # ---- draft and verify ------------------------------------------------------------------------
 
     def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, limit: list[int], n_live: int,
@@ -140,24 +212,18 @@ class Runner:
         self.staging.send()
         return self.run_draft(anchor, anchor_pos, staged.device, span)
 
-    def fresh_draft(self, batch: Batch, b: int, inputs: torch.Tensor) -> Draft:
-        """A step's own draft at bucket b, on the draft inputs it sent (the rows changed since the draft
-        made ahead, or there was none)."""
-        return self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], inputs, self.draft_span(batch.reach))
-
     def run_draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, inputs: torch.Tensor,
                   span: int | None = None) -> Draft:
         """The draft graph on inputs already on the device (DraftInputs); syncs on the pick."""
         out = self.graphs.get("draft", anchor.shape[0])(anchor, anchor_pos, inputs, span)
         return Draft.from_graph(out, out[4].cpu())  # [rho index, its gain]: the host sync of this draft
 
-    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, ahead: bool):
+    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, ahead: bool) -> tuple[Ran, float]:
         """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft) and
-        move the rows' anchors on; ahead: then draft the next step's block (the module docstring) into
-        batch.ahead. Returns, on the host: commit [b, block], n_commit [b], kept [b], and the seconds of
-        the draft made ahead (0 without one: drafting's, not verification's)."""
+        move the rows' anchors on; ahead: then draft the next step's block (the module docstring).
+        Returns the step as Ran, and the seconds of the draft made ahead (0 without one: drafting's, not
+        verification's)."""
         reach = batch.reach
-        Q = min(self.block, K + 1)  # the longest row verified
         keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
         # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
         # a step that did not only holds the target's taps (caught up before the next draft).
@@ -173,15 +239,15 @@ class Runner:
             inputs = self.staging.fixed_inputs(DraftInputs.size(b, len(self.graphs.policy.rhos)))
             limit = DraftInputs.limit(inputs, b)
             limit.copy_((limit - n_commit).clamp(min=0))  # in place, on the device
+            moved = longest_row(self.block, K)  # an anchor moves on at most this far
             out = self.graphs.get("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs,
-                                              self.draft_span(reach + Q))  # anchors moved <= Q on
+                                              self.draft_span(reach + moved))
             host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
             drafting.stop()
         host = host.cpu()  # the step's one copy to the host
-        if ahead:
-            batch.ahead = Ahead(batch.version, b, Draft.from_graph(out, host[-2:]))
-            host = host[:-2].long().view(b, -1)
-        return host[:, :-2], host[:, -2], host[:, -1], drafting.seconds
+        made = Ahead(batch.version, b, Draft.from_graph(out, host[-2:])) if ahead else None
+        host = host[:-2].long().view(b, -1) if ahead else host
+        return Ran(host[:, :-2], host[:, -2], host[:, -1], draft, K, made), drafting.seconds
 
     # ---- admission -------------------------------------------------------------------------------
 

@@ -17,6 +17,18 @@ COMPILE_CACHE = Path(__file__).resolve().parent.parent / "compile_cache"
 GRAPH_LIMIT = 1024  # compiled graphs per function: one per (batch bucket, K); far above what a run reaches
 
 
+def write_atomically(path, write) -> Path:
+    """Write `path` through write(tmp), a file beside it, then rename that over `path`: a process stopped
+    half-way leaves the earlier file whole (the temporary name carries the process id: two writers
+    never share one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+    return path
+
+
 def default_threads() -> int:
     """Intra-op threads on a CPU: all cores but one, at least one (measured in the README: a thread
     pool that spans every core collapses when another process holds one of them)."""

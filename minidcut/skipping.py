@@ -1,42 +1,169 @@
 """Skip drafting: whether to draft at all at one batch size (docs/method.md, "Skipping drafting").
 
-D-cut picks how much of a drafted block to verify; at a large batch even rho = 0 loses to an AR step,
-because the draft itself costs time. So each batch size plays two arms, drafting and AR:
+The paper's rule picks how much to verify once a block is drafted; at a large batch size even rho = 0
+can lose, because the draft itself costs time. This controller decides apart from the rule, with an
+explicit state:
 
-1. Never draft without the table's row at the batch size, where that row says no rho > 0 could beat an
-   AR step even if every kept draft were accepted, or on a step whose rows are too near their ends to.
-2. Score each arm by what its own steps delivered: committed tokens per row over the seconds they took,
-   drafting's including what it paid around its steps (a draft made afresh, the drafter's context of
-   admitted prompts), weighted by DECAY per step at the batch size, so an arm left alone is judged by
-   its latest steps; AR's score starts from the table's AR entry, drafting's from nothing.
-3. Play the better arm (drafting first), and switch only after two steps of the played arm, when the
-   other's score is ahead by MARGIN.
-4. Every `wait` steps try the other arm for a step: a try that scores above the played arm is tried
-   again at the next step, one below doubles the wait (up to MAX_WAIT), and a switch resets it.
+  drafting   every step drafts. Each drafting step is one sample of its gain over AR: the tokens it
+             committed per row less what AR steps commit in the same time, weighted by the step's
+             share of live rows. Drafting goes off only when the evidence says, with CONFIDENCE, that
+             the mean gain is below zero: the one-sided upper confidence bound of the samples' mean
+             (Student's t, the samples weighted by RUN_DECAY per drafting step), less the mean of
+             what drafting paid around its steps (the lumps, below), lies below zero, after at
+             least `patience` drafting steps over at least two requests.
+  off        AR steps. A probe runs once the AR steps since drafting went off have earned its price.
+  probing    one drafting step; its sample joins the evidence, and drafting is on again once the
+             evidence's mean gain (net of the lumps) is above zero: off on confidence that drafting
+             loses, on again on the best estimate that it wins (hysteresis). Going back on at the bound
+             alone would undo most switch-offs at once: drafting goes off the step the bound crosses
+             zero, so the next sample above the mean lifts it back (traced at B = 4 on the demo pair,
+             where drafting loses 15-20 %: probes turned drafting on with mean gains of -0.6 and -0.2
+             tokens a row, and it ran on for 30 and 200 steps). The probes since drafting went off are
+             also kept on their own: once they say, with CONFIDENCE, that drafting wins (the lower
+             bound of their mean, net of their lumps, above zero), the workload has changed, and they
+             replace the evidence: samples of requests long gone cannot outvote new ones that clearly
+             win (at B = 1, 44 blocks of hard requests at -0.3 a block take five probes of +0.7 to +2.7
+             to outweigh on the mean, at least 16 AR steps apart each; the probes' own bound, three).
 
-Not counted: steps that compiled a graph (no seconds), the profiler's timed steps (rows that do not
-advance) and drafting steps whose rows could not pay at full acceptance. The catch-up of the drafter's
-context that a try of drafting pays first is the price of the AR steps before it, not of drafting.
+Successive blocks of one request are not independent samples: a prompt the drafter finds hard is hard
+for all of its blocks. So the samples that switch drafting off must come from more than one request,
+and at B = 1, where each sample is one request's, the latest request must have given `patience` of
+them itself: a hard first request followed by one block of the next cannot switch drafting off (on the
+demo pair the bench's first request accepted about one draft a step for 16 steps, where the prompts
+after it accept two to three and drafting wins 1.35x; in traced runs the second request's first block
+switched drafting off, and 3 of 10 bench runs then ran mostly AR steps).
+
+Drafting is the default and off the decision that needs evidence: a handful of poor first steps on a
+noisy machine (single steps spread 30 % on a 2-core CPU) does not switch it off unless they are
+consistently poor. Where it does go off wrongly, probes that win pull the mean up: each moves it by
+its gain over the evidence's weight, so after k poor samples of gain -g, probes of gain +h turn
+drafting on within about k * g / h of them. Where drafting loses, the mean stays below zero and a
+lucky probe changes nothing.
+
+Probes are paid from a budget set by the room to win: the tokens per second the best budget would
+commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5 at B = 64). Drafting
+at best commits an AR step's tokens in 1 / room of its time, so it could save (1 - 1 / room) of every
+AR step; each AR step while off earns PROBE_SHARE of that toward the next probe, and a probe runs once
+those earnings pay its price (never sooner than probe_every steps). Each probe whose own step lost
+doubles that period (an exponential backoff, at most MAX_BACKOFF times: where drafting keeps losing,
+probes thin out geometrically, so their cost over a run grows with its logarithm); one that turns
+drafting on resets it, and one whose own step won without turning drafting on (the mean is still below
+zero, but rising) leaves the period as it was. Where drafting never pays, probing thus costs at most
+PROBE_SHARE * (1 - 1 / room) of the run (under PROBE_SHARE at any room, about a third of it at room
+1.5), and less as the backoff grows; where it might win much, the first probe comes soon. A probe's price is a drafting
+step at the dearest budget the rule may pick, less what drafting usually commits (a long running
+mean), plus the catch-up of the drafter's context it must write first (priced per position as the
+last one took). The catch-up grows with every skipped step, so where it grows faster than the
+earnings a probe waits for rows that have little to catch up (requests admitted since).
+
+What drafting alone pays around its steps comes in lumps: a prompt's context for the drafter when it
+is admitted, a draft made afresh when the rows change, the catch-up before a drafting step. They are
+kept apart from the samples, as their own weighted mean over the same drafting steps (the same
+RUN_DECAY weights), and the decision subtracts that mean from the samples' bound: drafting is charged
+exactly the lumps it paid over the steps the evidence remembers, and one lump cannot decide a sample.
+Charged whole to the sample it falls on, a probe at B = 1 after an admission would carry the whole
+prompt's context and lose where drafting doubles the tokens per second; charged to each sample at the
+rate so far, a run's first samples would each carry the first prompt's whole context over the few
+steps seen (the k-th a 1 / k share, the first four together twice what they paid, the first sixteen
+3.4 times), and stay in the evidence for its memory. A probe's own catch-up, of the positions
+skipped while drafting was off, is the price of having been off: the probe budget pays it (below), and
+the lumps leave it out.
+
+Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
+Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
+controller never drafts (`possible` is False). Without a table row for this batch size it does not
+draft either: it has nothing to compare with. The same test on the live rows: a step whose rows are
+too near their ends to pay even if every draft they can still emit were accepted runs AR (a batch's
+last steps), and such a drafting step (the profiler times some on whatever rows it finds) is not
+counted: it says nothing about drafting at this batch size.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+
 from .dcut import budget
 
-DECAY = 0.9  # a score's memory: the weights fall by 10 % a step at the batch size (~10 steps)
-MARGIN = 0.05  # switch only when the other arm's score is ahead by 5 %
-FIRST_WAIT, MAX_WAIT = 8, 256  # steps between tries of the other arm: the first wait, and the most
-SAVED = ("scores", "drafting", "played", "since", "wait")  # the state a cost table keeps
+CONFIDENCE = 0.90  # drafting goes off when its mean gain over AR is below zero at this one-sided confidence
+RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (~50 steps, probes included)
+PROBE_SHARE = 0.02  # probing spends at most this share of the time drafting could save at best, (1 - 1 / room)
+ACCEPTED_DECAY = 0.995  # probe pricing: accepted drafts per row over ~200 drafting steps
+
+MAX_BACKOFF = 6  # the probe period doubles at most this often (64x)
+STATE = ("state", "evidence", "drafting_steps", "skipped", "catchup_per_position", "accepted",
+         "failed_probes", "lumps", "requests", "latest", "probes", "probe_lumps")  # what is saved
+EVIDENCE = ("evidence", "lumps", "probes", "probe_lumps")  # saved as their sums
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile at probability p with df degrees of freedom: the Cornish-Fisher expansion
+    around the normal quantile z to 1 / df^3 (at p = 0.9: within 0.1 % of the exact value for df >= 3,
+    0.3 % at df = 2, 4 % low at df = 1)."""
+    z = statistics.NormalDist().inv_cdf(p)
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+
+
+class Evidence:
+    """Exponentially weighted samples (weight RUN_DECAY ** age): their mean, its standard error and the
+    effective number of samples. As data: [sum w, sum w x, sum w x^2, sum w^2]."""
+
+    def __init__(self, sums=(0.0, 0.0, 0.0, 0.0)):
+        self.sums = [float(x) for x in sums]
+        if len(self.sums) != 4:
+            raise ValueError("evidence must be [sum w, sum w x, sum w x^2, sum w^2]")
+
+    def add(self, x: float) -> None:
+        w, wx, wxx, ww = (s * d for s, d in zip(self.sums, (RUN_DECAY, RUN_DECAY, RUN_DECAY, RUN_DECAY ** 2)))
+        self.sums = [w + 1.0, wx + x, wxx + x * x, ww + 1.0]
+
+    @property
+    def n(self) -> float:
+        """Effective number of samples, (sum w)^2 / sum w^2 (at most (1 + RUN_DECAY) / (1 - RUN_DECAY))."""
+        w, _, _, ww = self.sums
+        return w * w / ww if ww > 0 else 0.0
+
+    @property
+    def mean(self) -> float:
+        w, wx, _, _ = self.sums
+        return wx / w if w > 0 else 0.0
+
+    def margin(self, confidence: float = CONFIDENCE) -> float:
+        """Half-width of the one-sided confidence bound of the mean (inf with one sample: no spread to
+        go by)."""
+        w, wx, wxx, ww = self.sums
+        n = self.n
+        if n < 1.5:  # two samples weigh n = 1.9998 (their weights differ by RUN_DECAY)
+            return float("inf")
+        var = max(0.0, wxx / w - self.mean ** 2) * n / (n - 1)  # unbiased for reliability weights
+        return t_quantile(confidence, n - 1) * math.sqrt(var / n)
+
+    def upper(self, confidence: float = CONFIDENCE) -> float:
+        """One-sided upper confidence bound of the mean."""
+        return self.mean + self.margin(confidence)
+
+    def lower(self, confidence: float = CONFIDENCE) -> float:
+        """One-sided lower confidence bound of the mean."""
+        return self.mean - self.margin(confidence)
 
 
 class SkipDrafting:
-    def __init__(self, B: int, rhos: list[float], table, D: int = 15):
+    def __init__(self, B: int, rhos: list[float], table, D: int = 15, patience: int = 4, probe_every: int = 16):
         self.B, self.rhos, self.D, self.table = B, rhos, D, table
-        self.scores = {True: [0.0, 0.0], False: [1.0, self.cost[0.0]]}  # drafting?: [tokens per row, seconds]
-        self.drafting = self.possible  # the arm played
-        self.played = 0  # steps of the played arm since it was picked
-        self.since, self.wait = 0, FIRST_WAIT  # steps since the last try, and before the next
-        self.trying = False  # this step tries the other arm
+        self.patience, self.probe_every = patience, probe_every
+        self.rho_min = min(r for r in rhos if r > 0)
+        self.state = "drafting" if self.possible else "off"
+        self.evidence = Evidence()  # drafting steps' gain over AR, tokens per row
+        self.drafting_steps = 0
+        self.skipped = 0  # AR steps since drafting went off
+        self.catchup_per_position = 0.0  # seconds the last catch-up of the drafter's context took a position
+        self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
+        self.failed_probes = 0  # losing probes since drafting was last on (backoff)
+        self.lumps = Evidence()  # what drafting alone paid around each drafting step, tokens per row
+        self.requests = 0  # requests the samples came from (live rows of the first, then admissions)
+        self.latest = 0  # samples since the last admission (at B = 1: of the latest request)
+        self.probes, self.probe_lumps = Evidence(), Evidence()  # the probes' samples and lumps since drafting went off
 
     @property
     def cost(self) -> dict[float, float]:
@@ -48,63 +175,152 @@ class SkipDrafting:
         """Whether some rho > 0 would beat an AR step if every kept draft were accepted."""
         return self.pays(self.cost)
 
-    def pays(self, cost: dict[float, float], n_live: int | None = None, usable: int | None = None) -> bool:
-        """Whether the best budget at full acceptance commits more per second than an AR step, for
-        n_live rows that can still emit `usable` drafts (default: the whole batch size, a block each)."""
+    def room(self, cost: dict[float, float], n_live: int | None = None, usable: int | None = None) -> float:
+        """Tokens per second of the best budget at full acceptance over an AR step's, for n_live rows
+        that can still emit `usable` drafts (default: every row of the batch size, a whole block each)."""
         n = self.B if n_live is None else n_live
         u = n * self.D if usable is None else usable
-        return max((n + min(budget(r, self.B, self.D), u)) / cost[r] for r in self.rhos if r > 0) > n / cost[0.0]
+        best = max((n + min(budget(r, self.B, self.D), u)) / cost[r] for r in self.rhos if r > 0)
+        return best / (n / cost[0.0])
 
-    def score(self, drafting: bool) -> float | None:
-        """An arm's committed tokens per row per second (None before its first step)."""
-        tokens, seconds = self.scores[drafting]
-        return tokens / seconds if seconds > 0 else None
-
-    def draft_now(self, n_live: int | None = None, usable: int | None = None) -> bool:
-        """Whether this step drafts (n_live, usable: the live rows and the drafts they can still emit).
-        Called once per step."""
-        cost = self.cost
-        if not self.pays(cost):
-            return False
-        self.since += 1
-        self.trying = self.since >= self.wait
-        return self.drafting != self.trying and self.pays(cost, n_live, usable)
-
-    @property
-    def next_drafts(self) -> bool:
-        """Whether the next step will likely draft (a drafting step then drafts its block ahead)."""
-        return self.drafting and self.since + 1 < self.wait
-
-    def observe(self, rec) -> None:
-        """Learn from one StepRecord of this batch size."""
-        tried, self.trying = self.trying and rec.drafted != self.drafting, False
-        if rec.seconds <= 0 or rec.timed or rec.drafted and not self.pays(self.cost, rec.n_live, rec.usable):
-            return
-        tokens = 1.0 + rec.accepted / max(rec.n_live, 1)
-        seconds = rec.seconds + (rec.redraft + rec.prompt_context if rec.drafted else 0.0)
-        for arm in self.scores.values():
-            arm[:] = [DECAY * arm[0], DECAY * arm[1]]
-        self.scores[rec.drafted][0] += tokens
-        self.scores[rec.drafted][1] += seconds
-        if tried:  # a try that wins is tried again at the next step; one that loses doubles the wait
-            won = tokens / seconds > (self.score(self.drafting) or 0.0)
-            self.since = self.wait if won else 0
-            self.wait = self.wait if won else min(2 * self.wait, MAX_WAIT)
-        self.played += rec.drafted == self.drafting
-        mine, other = self.score(self.drafting), self.score(not self.drafting)
-        if self.played >= 2 and other is not None and other > mine * (1 + MARGIN):
-            self.drafting, self.played, self.since, self.wait = not self.drafting, 0, 0, FIRST_WAIT
+    def pays(self, cost: dict[float, float], n_live: int | None = None, usable: int | None = None) -> bool:
+        """possible, at these seconds by rho, for these rows (room's arguments)."""
+        return self.room(cost, n_live, usable) > 1.0
 
     @property
     def state_dict(self) -> dict:
-        return {k: [self.scores[True], self.scores[False]] if k == "scores" else getattr(self, k) for k in SAVED}
+        return {k: getattr(self, k).sums if k in EVIDENCE else getattr(self, k) for k in STATE}
 
     def load_state(self, saved: dict) -> None:
         """Continue from a saved state_dict (KeyError / ValueError / TypeError if it is not one). A
-        batch size whose table now says drafting cannot pay stays off."""
-        drafting, ar = ([float(x) for x in arm] for arm in saved["scores"])
-        if len(drafting) != 2 or len(ar) != 2:
-            raise ValueError("skip state: scores must be [tokens, seconds] per arm")
-        self.scores = {True: drafting, False: ar}
-        self.drafting = bool(saved["drafting"]) and self.possible
-        self.played, self.since, self.wait = int(saved["played"]), int(saved["since"]), int(saved["wait"])
+        bucket whose table now says drafting is impossible stays off."""
+        if saved["state"] not in ("drafting", "off", "probing"):
+            raise ValueError(f"unknown skip state {saved['state']!r}")
+        evidence, accepted = Evidence(saved["evidence"]), [float(x) for x in saved["accepted"]]
+        if len(accepted) != 2:
+            raise ValueError("skip state: accepted must be [drafts, rows]")
+        self.state = saved["state"] if self.possible else "off"
+        self.evidence, self.accepted = evidence, accepted
+        self.catchup_per_position = float(saved["catchup_per_position"])
+        self.drafting_steps, self.skipped = int(saved["drafting_steps"]), int(saved["skipped"])
+        self.failed_probes = int(saved["failed_probes"])
+        for k in ("lumps", "probes", "probe_lumps"):  # states saved before them: none yet
+            setattr(self, k, Evidence(saved.get(k, Evidence().sums)))
+        self.requests = int(saved.get("requests", 2))  # states saved before it decided with more
+        self.latest = int(saved.get("latest", self.patience))
+
+    def seconds(self, drafting: bool, rho: float = 0.0) -> float:
+        """The table's seconds of an AR step, or of a drafting step that verified rho (rho = 0: the
+        draft was paid, priced as the smallest rho > 0)."""
+        return self.cost[(rho or self.rho_min) if drafting else 0.0]
+
+    @property
+    def usual_accepted(self) -> float:
+        """Accepted drafts per live row of drafting steps that kept drafts, a long running mean (0
+        before any)."""
+        return self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
+
+    @property
+    def spread(self) -> bool:
+        """Whether the samples came from at least two requests, and at B = 1 (a sample: one request's
+        block) the latest of them gave `patience` samples itself."""
+        return self.requests >= 2 and (self.B > 1 or self.latest >= self.patience)
+
+    @property
+    def gain(self) -> float:
+        """The evidence's mean gain over AR steps net of the lumps, tokens per row a drafting step."""
+        return self.evidence.mean - self.lumps.mean
+
+    @property
+    def losing(self) -> bool:
+        """Whether the evidence says, with CONFIDENCE, that drafting steps commit fewer tokens than AR
+        steps in the same time, counting what drafting paid around them (the lumps' mean over the same
+        steps)."""
+        return self.evidence.upper() - self.lumps.mean < 0.0
+
+    def probe_price(self, behind: int = 0, cost: dict[float, float] | None = None) -> float:
+        """Seconds a probe loses to an AR step at most: its step at the dearest budget the rule may pick
+        (a measured one: unmeasured entries are never picked) less what drafting usually commits, plus
+        the catch-up of `behind` positions. cost: the table's row (self.cost), if already read."""
+        cost = cost or self.cost
+        dearest = max(c for r, c in cost.items() if r > 0 and c != float("inf"))
+        return dearest - cost[0.0] * (1.0 + self.usual_accepted) + self.catchup_per_position * behind
+
+    @property
+    def backoff(self) -> int:
+        """How many times the probe period doubles: once per losing probe since drafting was last on
+        (at most MAX_BACKOFF times), none once a probe turns drafting on."""
+        return min(self.failed_probes, MAX_BACKOFF)
+
+    def probe_period(self, behind: int = 0, cost: dict[float, float] | None = None) -> int:
+        """AR steps a probe waits for while `behind` positions would need catching up: its price over
+        what each AR step earns toward it, PROBE_SHARE of the (1 - 1 / room) of an AR step's seconds that
+        drafting could save at best, at least probe_every; doubled `backoff` times."""
+        cost = cost or self.cost
+        room = self.room(cost)
+        if room <= 1.0:
+            return self.probe_every << self.backoff
+        earned = PROBE_SHARE * (1.0 - 1.0 / room) * cost[0.0]
+        return max(self.probe_every, int(self.probe_price(behind, cost) / earned) + 1) << self.backoff
+
+    def gain_over_ar(self, rec) -> float:
+        """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
+        1 + accepted / n_live - its seconds / an AR step's, its seconds being the table's for its rho.
+        What the step realized, not what it was predicted to: the rule picks the rho whose prediction
+        is highest, so the picked prediction runs high, most where drafting is near break-even
+        (docs/method.md, "Skipping drafting"). What drafting paid around the step is kept apart
+        (lump_over_ar)."""
+        return 1.0 + rec.accepted / max(rec.n_live, 1) - self.seconds(True, rec.rho) / self.seconds(False)
+
+    def lump_over_ar(self, rec) -> float:
+        """Tokens per live row AR steps would commit in the seconds drafting alone paid around a
+        drafting step: a draft made afresh when its rows changed, the drafter's context of prompts
+        admitted since the last drafting step, and the catch-up of the drafter's context (a probe's own
+        is left to the probe budget)."""
+        lump = rec.redraft + rec.prompt_context + (rec.catchup if self.state != "probing" else 0.0)
+        return lump / self.seconds(False)
+
+    def draft_now(self, behind: int = 0, n_live: int | None = None, usable: int | None = None) -> bool:
+        """Whether this step drafts; behind: the positions a draft would first catch up; n_live,
+        usable: the live rows and the drafts they can still emit (a probe due waits for rows that can
+        pay). Runs every step: it reads the table's row once."""
+        cost = self.cost
+        if not self.pays(cost):
+            return False
+        if self.state == "off":
+            self.skipped += 1  # the period is at least probe_every << backoff: priced only from there
+            if self.skipped >= self.probe_every << self.backoff and self.skipped >= self.probe_period(behind, cost):
+                self.state = "probing"
+        return self.state != "off" and self.pays(cost, n_live, usable)
+
+    def observe(self, rec) -> None:
+        """Learn from one StepRecord of this batch size."""
+        if rec.caught_up > 0:
+            self.catchup_per_position = rec.catchup / rec.caught_up
+        if not rec.drafted or rec.timed or rec.usable is not None and not self.pays(self.cost, rec.n_live, rec.usable):
+            return  # rows that could not pay even at full acceptance say nothing about drafting here, and
+            #         the profiler's timed steps repeat one state of rows that do not advance
+        self.requests = max(self.requests + rec.admitted, rec.n_live)  # the requests the samples came from
+        self.latest = 1 if rec.admitted else self.latest + 1
+        if rec.rho > 0:
+            self.accepted = [ACCEPTED_DECAY * self.accepted[0] + rec.accepted,
+                             ACCEPTED_DECAY * self.accepted[1] + rec.n_live]
+        # A step with few live rows (a batch's tail, where each keeps more of the budget) counts for
+        # what it commits: its gain per row is weighted by its share of the batch's rows.
+        x, lump = self.gain_over_ar(rec) * rec.n_live / self.B, self.lump_over_ar(rec) * rec.n_live / self.B
+        self.evidence.add(x)
+        self.lumps.add(lump)
+        self.drafting_steps += 1
+        if self.state == "drafting" and self.drafting_steps >= self.patience and self.spread and self.losing:
+            self.state = "off"
+            self.probes, self.probe_lumps = Evidence(), Evidence()
+        elif self.state == "probing":
+            self.probes.add(x)
+            self.probe_lumps.add(lump)
+            if self.probes.lower() - self.probe_lumps.mean > 0.0:  # the workload changed: the probes
+                self.evidence, self.lumps = Evidence(self.probes.sums), Evidence(self.probe_lumps.sums)
+            self.state = "drafting" if self.gain > 0.0 else "off"
+            won = x > 0.0  # the probe's own step beat AR steps in its seconds
+            self.failed_probes = 0 if self.state == "drafting" else self.failed_probes + (not won)
+        if self.state == "off":
+            self.skipped = 0

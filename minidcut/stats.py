@@ -9,6 +9,22 @@ from dataclasses import dataclass, field
 import torch
 
 
+class RunningRatio:
+    """sum x / sum y over recent steps, each step's weight falling by `decay` a step (a memory of about
+    1 / (1 - decay) steps): calibration's realized over predicted drafts."""
+
+    def __init__(self, decay: float, x: float = 0.0, y: float = 0.0):
+        self.decay, self.x, self.y = decay, float(x), float(y)
+
+    def add(self, x: float = 0.0, y: float = 0.0) -> None:
+        """One step: the weights so far fall by `decay`, then (x, y) joins at weight 1 (none: only aged)."""
+        self.x, self.y = self.decay * self.x + x, self.decay * self.y + y
+
+    @property
+    def value(self) -> float | None:
+        return self.x / self.y if self.y > 0 else None
+
+
 class Interval:
     """Seconds of the work launched between start() and stop(), read once the step's copy to the host
     has waited for it: host time on a CPU (eager calls run as they are called), CUDA events on a GPU
@@ -49,6 +65,7 @@ class StepClock:
         self.marks = {"start": time.perf_counter()}
         self.measuring = self.catchup = self.ahead = self.redraft = 0.0
         self.cold = False  # the step ran a compiled graph that was not warm yet: its seconds are compiling
+        self.redrafted = False  # a fresh draft that also drafted ahead: two drafts in the step
 
     def mark(self, phase: str, catchup: float | None = None) -> None:
         """phase 'draft' (the step's inputs sent, with the catch-up's seconds), 'verify' (its draft
@@ -57,13 +74,13 @@ class StepClock:
         if catchup is not None:
             self.catchup = catchup
 
-    def step_seconds(self, redrafted: bool) -> float:
+    def step_seconds(self) -> float:
         """Seconds from the draft on, with one draft: a fresh draft that also drafted ahead ran two, and
         the fresh one (redraft) is the price of rows changing hands, not of this step's budget."""
         if self.cold:  # compiling, not a step's or a redraft's time: nothing measured
             self.redraft = 0.0
             return 0.0
-        self.redraft = self.marks["verify"] - self.marks["draft"] if redrafted else 0.0
+        self.redraft = self.marks["verify"] - self.marks["draft"] if self.redrafted else 0.0
         return time.perf_counter() - self.marks["draft"] - self.redraft
 
     def charge(self, stats: "Stats") -> None:
@@ -88,6 +105,7 @@ class Stats:
     policy: str = ""
     batch_size: int = 0
     requests: int = 0
+    depth: int = 15  # D, drafts per block of the run's drafter
     generated_tokens: int = 0
     finished: int = 0
     steps: int = 0
@@ -107,13 +125,13 @@ class Stats:
     unmeasured: dict = field(default_factory=dict)  # bucket -> steps its rows had left: its row not worth measuring
     trace: list | None = None  # per drafting step (prefix scores, keep_len, accepted) of live rows
 
-    def add(self, rec, kept, depth: int, gain_scale: float, draft=None, n_commit=None, rows=None) -> None:
-        """Count one StepRecord (policy.py) with its live rows' kept drafts [n_live]; with trace on, also
-        keep the draft's prefix scores, kept and accepted drafts of those rows (draft, n_commit [n_live])."""
+    def add(self, rec, gain_scale: float, ran=None, rows=None) -> None:
+        """Count one StepRecord (policy.py); with trace on, also keep the live rows' (`rows`) prefix
+        scores, kept and accepted drafts of the step the runner ran (runner.Ran)."""
         self.steps += 1
-        self.kept += int(kept.sum()) if isinstance(kept, torch.Tensor) else int(kept)
-        if self.trace is not None and draft is not None:  # for evaluation: an extra copy to the host
-            self.trace.append((draft.log_s[rows].exp().cpu(), kept, n_commit - 1))
+        self.kept += rec.kept
+        if self.trace is not None and ran is not None and ran.draft is not None:  # an extra copy to the host
+            self.trace.append((ran.draft.log_s[rows].exp().cpu(), ran.kept[rows], ran.n_commit[rows] - 1))
         self.request_steps += rec.n_live
         self.committed += rec.accepted + rec.n_live
         self.rho_hist[rec.rho] += 1
@@ -121,7 +139,7 @@ class Stats:
         self.rho_by_bucket[rec.bucket, rec.rho if rec.drafted else None] += 1
         if rec.drafted:
             self.drafting_hist[rec.bucket] += 1
-            self.drafted += rec.n_live * depth
+            self.drafted += rec.n_live * self.depth
             self.predicted_raw += rec.predicted
             self.predicted += rec.predicted * gain_scale
             self.realized += rec.accepted

@@ -261,8 +261,8 @@ def test_a_row_measured_on_rows_at_their_end_teaches_the_skip_controller_nothing
     """A batch's tail can reach a bucket without a cost row while its rows have no token left to draft
     for: the row is measured on them, but their steps, which can accept nothing, do not switch drafting
     off at that bucket for every later batch (and process) that reaches it."""
-    import minidcut.profiler as profiler
     from minidcut.batch import Batch, Request
+    from minidcut.stats import StepClock, Stats
 
     target, drafter, _ = pair
     policy = Policy.dcut(CostTable([1], RHOS, [[1.0] * 5]), RHOS)
@@ -270,10 +270,10 @@ def test_a_row_measured_on_rows_at_their_end_teaches_the_skip_controller_nothing
     batch = Batch.empty(2, engine.device)
     engine.runner.prefill([0, 1], Request.checked([[3, 4, 5], [6, 7]], 1, target.cfg.vocab_size, 16, 64), batch)
     assert batch.limits(2) == [0, 0] and batch.usable(engine.D) == 0
-    profiler.measure_row(engine, batch, 2)
+    assert engine.measure_missing_row(batch, 2, [], Stats(), StepClock()) == []  # measured, as a step would
     skip = policy.skip(2)
     assert policy.table.row(2, RHOS) is not None and skip.possible
-    assert skip.drafting and skip.score(True) is None
+    assert skip.state == "drafting" and skip.drafting_steps == 0 and skip.evidence.n == 0.0
 
 
 NULL_AR = json.dumps({"batch_sizes": [1], "rhos": RHOS, "seconds": [[None, 1.0, 1.1, 1.2, 1.3]]})

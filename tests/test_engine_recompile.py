@@ -133,8 +133,8 @@ def test_engine_warmup_compiles_every_graph_a_dcut_run_reaches(tiny_pair, fresh_
 
 def test_warmup_of_one_bucket_runs_every_graph_of_that_bucket_and_no_other(tiny_pair, monkeypatch):
     """tools/gpu_check.py warms one bucket before timing it: Engine.warmup(b, min_batch=b) runs each graph
-    the policy can reach at b (a try's draft and its K = 0 verify too) 3 times, and nothing else, and
-    the catch-up a try of drafting runs first once."""
+    the policy can reach at b (a probe's draft and its K = 0 verify too) 3 times, and nothing else, and
+    the catch-up a probe runs first once."""
     target, drafter = tiny_pair
     engine = Engine(target, drafter, Policy.dcut(mixed_table(), GRID, calibrate=False), batch_size=B,
                     max_seq=MAX_SEQ, eos_ids=[], compile=False)

@@ -27,13 +27,13 @@ GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
 class Probing(Policy):
-    """static 0.5, every step planned as a try of drafting (StepPlan.ahead False: no block drafted ahead)."""
+    """static 0.5, every step planned as a probe (StepPlan.ahead False: no block drafted ahead)."""
 
     def __init__(self):
         super().__init__("static", [0.5])
 
-    def plan(self, bucket, n_live=None, usable=None):
-        return dataclasses.replace(super().plan(bucket, n_live, usable), ahead=False)
+    def plan(self, bucket, behind=0, n_live=None, usable=None):
+        return dataclasses.replace(super().plan(bucket, behind, n_live, usable), ahead=False)
 
 
 def tiny_pair(tmp_path):
@@ -49,7 +49,7 @@ def test_a_steady_step_copies_once_each_way_when_it_drafts_and_once_back_when_it
                                                                                            forced):
     target, drafter = tiny_pair(tmp_path)
     table = CostTable([4], GRID, [[1.0 if r == forced else 1000.0 for r in GRID]])  # dcut picks `forced`
-    policy = Policy.dcut(table, GRID, calibrate=False, skip_drafting=False)  # the random drafter: always drafting
+    policy = Policy.dcut(table, GRID, calibrate=False, skip_drafting=forced > 0)
     if forced == 0.0:  # AR steps only: a dcut policy that never drafts
         policy = Policy.ar()
     engine = Engine(target, drafter if forced else None, policy, batch_size=4, max_seq=96, eos_ids=[], compile=False)
@@ -99,8 +99,8 @@ def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
     assert len(fresh) == sum(stats.drafting_hist.values())  # every drafting step drafted afresh
 
 
-def test_a_plan_without_ahead_drafts_no_block_ahead(tmp_path):
-    """A plan that says ahead=False (the next step likely runs AR, StepPlan.ahead) drafts only its own
+def test_a_probe_drafts_no_block_ahead(tmp_path):
+    """A probe's plan says ahead=False: the step after a probe likely runs AR, so it drafts only its own
     block (its cost is then the cost table's: one draft and one verification). Every drafting step then
     drafts afresh, the draft graph runs once per drafting step, and the tokens are still AR's."""
     target, drafter = tiny_pair(tmp_path)
@@ -119,8 +119,8 @@ def test_a_plan_without_ahead_drafts_no_block_ahead(tmp_path):
 
 def test_a_steps_seconds_hold_one_draft_as_a_cost_table_entry_does(tmp_path, monkeypatch):
     """A fresh draft that also drafts ahead runs the draft graph twice; its record's seconds (which
-    refine the cost table) leave the first out, and its redraft holds it (the skip rule charges
-    it to drafting). A try of drafting drafts afresh and not ahead: its one draft is in its seconds. On a clock
+    refine the cost table) leave the first out, and its redraft holds it (the skip controller charges
+    it to drafting). A probe drafts afresh and not ahead: its one draft is in its seconds. On a clock
     that moves only while a fresh draft runs (10 s each)."""
     target, drafter = tiny_pair(tmp_path)
     now = [0.0]

@@ -120,6 +120,6 @@ class Alternating(Policy):
         super().__init__("static", [0.5])
         self.period, self.n = period, 0
 
-    def plan(self, bucket, n_live=None, usable=None):
+    def plan(self, bucket, behind=0, n_live=None, usable=None):
         self.n += 1
-        return dataclasses.replace(super().plan(bucket, n_live, usable), draft=self.n % self.period != 0)
+        return dataclasses.replace(super().plan(bucket, behind, n_live, usable), draft=self.n % self.period != 0)

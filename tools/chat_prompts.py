@@ -8,8 +8,8 @@ train     instructions and coding tasks built from the Python standard library's
           every definition once under a random template, then once more under another template.
 heldout   (a) the Python language reference shipped with the interpreter (`pydoc_data.topics`, one
           explanation request and one summary request per topic), and (b) hand-written general
-          instructions and classic programming exercises (HANDWRITTEN below). Nothing in it comes from
-          the stdlib's code or docstrings.
+          instructions and classic programming exercises (tools/handwritten_prompts.jsonl). Nothing in
+          it comes from the stdlib's code or docstrings.
 
     python tools/chat_prompts.py --train /tmp/chat_train.jsonl --heldout models/prompts_chat_heldout.jsonl
 
@@ -33,68 +33,19 @@ if __name__ == "__main__":
 
 from tools import corpus  # noqa: E402
 
-HANDWRITTEN = [
-    "Give me three tips for staying focused while studying.",
-    "Write a short poem about the ocean at night.",
-    "What is the difference between weather and climate?",
-    "Explain photosynthesis to a ten-year-old.",
-    "Write a polite email asking my manager for a day off next Friday.",
-    "What are the main causes of inflation?",
-    "Summarize the plot of a typical hero's journey story.",
-    "List five healthy breakfast ideas.",
-    "How do vaccines train the immune system?",
-    "Write a haiku about autumn leaves.",
-    "What should I pack for a three-day hiking trip?",
-    "Explain why the sky is blue.",
-    "Give me a recipe for a simple tomato soup.",
-    "What is the Pythagorean theorem? Give an example.",
-    "Describe the water cycle in a few sentences.",
-    "Suggest a name for a bakery and explain your choice.",
-    "How can I improve my public speaking skills?",
-    "Write a short story opening about a lighthouse keeper.",
-    "What are the benefits of regular exercise?",
-    "Explain what a black hole is.",
-    "Translate 'Good morning, how are you?' into French and Spanish.",
-    "Write a limerick about a cat who loves to code.",
-    "What is the capital of Australia, and why is it not Sydney?",
-    "Give me a plan for learning to play the guitar in three months.",
-    "Explain the difference between a virus and a bacterium.",
-    "What is machine learning, in plain words?",
-    "How does a bicycle stay upright while moving?",
-    "Write a thank-you note to a teacher.",
-    "What are good habits for saving money?",
-    "Explain how a rainbow forms.",
-    "Write a function in Python that checks whether a string is a palindrome.",
-    "Write a Python program that prints the first 20 Fibonacci numbers.",
-    "Implement binary search in Python and explain how it works.",
-    "Write a Python function that counts the vowels in a sentence.",
-    "How do I reverse a linked list? Show code in Python.",
-    "Write a Python function that returns the factorial of n, both recursively and iteratively.",
-    "Write a Python script that reads a CSV file and prints the average of one column.",
-    "Explain the difference between a list and a tuple in Python.",
-    "Write a Python function that merges two sorted lists into one sorted list.",
-    "Implement a stack class in Python with push, pop and peek.",
-    "Write a Python function that finds the most common word in a text.",
-    "How do I remove duplicates from a list in Python while keeping the order?",
-    "Write a Python function that converts Celsius to Fahrenheit.",
-    "Explain what recursion is, with a simple example in Python.",
-    "Write a Python function to check whether a number is prime.",
-    "Write FizzBuzz in Python.",
-    "Write a Python class for a bank account with deposit and withdraw methods.",
-    "How do I sort a list of dictionaries by a key in Python?",
-    "Write a Python function that flattens a nested list.",
-    "Explain Big-O notation with examples.",
-    "Write a SQL query that returns the ten most recent orders from an orders table.",
-    "Write a JavaScript function that debounces another function.",
-    "Explain the difference between HTTP GET and POST requests.",
-    "Write a bash command that counts the lines in all .txt files in a folder.",
-    "What is a hash table and why are lookups fast?",
-    "Write a Python generator that yields prime numbers forever.",
-    "How do I read a JSON file in Python and print one field?",
-    "Write a Python function that computes the greatest common divisor of two numbers.",
-    "Explain what an API is to a non-programmer.",
-    "Write a Python function that checks whether two strings are anagrams.",
-]
+HANDWRITTEN_FILE = Path(__file__).with_name("handwritten_prompts.jsonl")
+
+
+def handwritten(group: str) -> list[str]:
+    """Prompts written for this repository (tools/handwritten_prompts.jsonl), in file order, of one group:
+    'instructions' (30 general instructions, then programming exercises: held-out part of this file's
+    chat set) or a domain of the mixed held-out set of tools/prompt_sources.py ('chat', 'writing',
+    'reasoning'). No public prompt set and no benchmark is their origin; nothing here is trained on."""
+    records = (json.loads(line) for line in HANDWRITTEN_FILE.read_text().splitlines())
+    return [r["prompt"] for r in records if r["group"] == group]
+
+
+HANDWRITTEN = handwritten("instructions")
 
 FUNCTION_TASKS = [
     "Write a Python function `{name}{args}` that does the following: {summary}",

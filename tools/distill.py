@@ -21,7 +21,6 @@ where the file stops.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from minidcut import Engine, cli, load_pair, load_tokenizer  # noqa: E402
+from minidcut.runtime import write_atomically  # noqa: E402
 
 CHUNK = 1024  # prompts per generate() call between saves (a chunk's last rows drain alone: long chunks)
 
@@ -55,12 +55,6 @@ def flop_per_token(cfg) -> float:
     H, A, KV = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_layer = H * A * 2 + H * KV * 2 + 3 * H * cfg.intermediate_size
     return 2.0 * (cfg.num_layers * per_layer + H * cfg.vocab_size)
-
-
-def save(data: dict, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(data, tmp)
-    os.replace(tmp, path)  # a crash never leaves half a file
 
 
 def sampled_at(i: int, share: float) -> bool:
@@ -105,7 +99,7 @@ def generate_chat(target, prompts: list[list[int]], max_new_tokens: int, batch_s
         data["starts"] += [len(prompts[j]) for j in chunk]
         data["sampled"] += [sampled_at(j, share) for j in chunk]
         data["dtypes"] += [meta["dtype"]] * len(chunk)
-        save(data, out)
+        write_atomically(out, lambda tmp: torch.save(data, tmp))
         n = len(data["sequences"])
         rate = sum(map(len, data["sequences"][done:])) / (time.time() - t0)
         console.log(f"{n}/{len(prompts)} answered ({generated} tokens in this chunk, "

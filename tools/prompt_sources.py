@@ -10,8 +10,8 @@ a conversation with "messages" as well. Exact duplicates (same lowercase words) 
 with `--exclude TEST` every prompt that shares a 13-word run with a test set (tools/decontaminate.py).
 
 Per domain, the held-out prompts come from sources the training prompts never draw from (the split of
-each source is in SOURCES; tools/handwritten_prompts.py and the hand-written prompts of
-tools/chat_prompts.py are held out too). The training file takes the domains in turn (each shuffled), so
+each source is in SOURCES; the prompts written for this repository, tools/handwritten_prompts.jsonl, are
+held out too). The training file takes the domains in turn (each shuffled), so
 its first N prompts are balanced across domains (tools/distill.py --limit N), until chat, the smallest,
 runs out.
 
@@ -39,7 +39,7 @@ from typing import Callable
 if __name__ == "__main__":  # run as a script: import from the repo root, not tools/
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from tools import chat_prompts, decontaminate, handwritten_prompts  # noqa: E402
+from tools import chat_prompts, decontaminate  # noqa: E402
 from tools.dedup import NearDup, words  # noqa: E402
 
 DOMAINS = ("chat", "writing", "code", "math", "reasoning")
@@ -218,13 +218,13 @@ PROGRAMMING_FROM = 30  # chat_prompts.HANDWRITTEN: 30 general instructions, then
 
 
 def handwritten() -> list[dict]:
-    """The held-out prompts written in this repository (tools/handwritten_prompts.py, and the hand-written
-    prompts of tools/chat_prompts.py: programming exercises are code, the others' domain is guessed)."""
+    """The held-out prompts written in this repository (tools/handwritten_prompts.jsonl: those of the chat
+    set, whose programming exercises are code and the others' domain is guessed, then one group a domain)."""
     general = [d for d in DOMAINS if d != "code"]
     out = [dict(item(p, "code" if i >= PROGRAMMING_FROM else guess_domain(p, general)),
                 source="handwritten-chat-prompts") for i, p in enumerate(chat_prompts.HANDWRITTEN)]
     for domain in ("chat", "writing", "reasoning"):
-        out += [dict(item(p, domain), source="handwritten") for p in getattr(handwritten_prompts, domain.upper())]
+        out += [dict(item(p, domain), source="handwritten") for p in chat_prompts.handwritten(domain)]
     return out
 
 

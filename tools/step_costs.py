@@ -55,10 +55,10 @@ def parts(engine: Engine, B: int, context_len: int) -> dict:
     h = torch.randn(B * D, target.cfg.hidden_size, dtype=drafter.fc.weight.dtype)
     logits = drafter(target, anchor, pos)
     conf = torch.softmax(logits.float(), -1).max(-1).values
-    Ks = engine.runner.graphs.budgets(B)
+    Ks = engine.runner.budgets(B)
     plan = engine.policy.plan(B)
     draft = engine.runner.draft(anchor, pos, [D] * B, B, plan)
-    out = {"AR step (verify K=0)": lambda: engine.runner.graphs.get("verify", B, 0, write=False)(anchor, pos, ids, None, None),
+    out = {"AR step (verify K=0)": lambda: engine.runner.graph("verify", B, 0, write=False)(anchor, pos, ids, None, None),
            "drafter forward": lambda: drafter(target, anchor, pos),
            "  of it: lm_head on B*D rows": lambda: linear(h, drafter.head),
            "softmax + max over V (or V')": lambda: torch.softmax(logits.float(), -1).max(-1),
@@ -66,7 +66,7 @@ def parts(engine: Engine, B: int, context_len: int) -> dict:
            "draft graph (all of the above + rho*)": lambda: engine.runner.draft(anchor, pos, [D] * B, B, plan)}
     for ri, (rho, K) in enumerate(zip(engine.policy.rhos, Ks)):
         if K:
-            out[f"verify rho={rho:g} (T={B + K})"] = (lambda ri=ri, K=K: engine.runner.graphs.get("verify", B, K)(
+            out[f"verify rho={rho:g} (T={B + K})"] = (lambda ri=ri, K=K: engine.runner.graph("verify", B, K)(
                 anchor, pos, ids, draft.drafts, draft.keep_lens[ri]))
     return out
 

@@ -37,7 +37,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ from minidcut.engine import Engine  # noqa: E402
 from minidcut.layers import rope_cos_sin  # noqa: E402
 from minidcut.loader import load_drafter, load_target  # noqa: E402
 from minidcut.model import prefill_layout  # noqa: E402
+from minidcut.runtime import write_atomically  # noqa: E402
 
 
 PACE_STEPS = 10  # steps timed to size a --seconds budget
@@ -223,9 +223,8 @@ def cached_features(args, target, seqs: list[torch.Tensor], taps: tuple[int, ...
         new_f, new_y = target_features(source, seqs[len(feats):], taps, console, greedy_data=bool(args.data))
         feats, labels = feats + new_f, labels + new_y
         if cache is not None:
-            tmp = cache.with_name(cache.name + ".tmp")
-            torch.save({**key, "fingerprint": fingerprint(seqs), "feats": feats, "labels": labels}, tmp)
-            os.replace(tmp, cache)  # an interrupted save never leaves half a cache
+            write_atomically(cache, lambda tmp: torch.save(  # an interrupted save never leaves half a cache
+                {**key, "fingerprint": fingerprint(seqs), "feats": feats, "labels": labels}, tmp))
     return feats, labels
 
 

@@ -29,6 +29,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
+from minidcut.runtime import write_atomically
 from tools.corpus import list_files, sequences, token_stream
 from tools.train_tokenizer import train_tokenizer
 
@@ -214,8 +215,7 @@ def main(argv=None):
             if done % args.ckpt_every == 0 and done < args.steps:
                 state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
                          "run": run}
-                torch.save(state, out / "checkpoint.tmp")
-                os.replace(out / "checkpoint.tmp", ckpt_path)  # atomic: a kill never leaves half a checkpoint
+                write_atomically(ckpt_path, lambda tmp: torch.save(state, tmp))  # a kill never leaves half of one
 
     loss = heldout_loss(model, eval_seqs, args.batch_size)
     files = {split: len(list_files(split, args.corpus)) for split in ("train", "heldout")}
