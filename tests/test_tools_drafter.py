@@ -166,3 +166,27 @@ def test_a_features_cache_of_the_first_sequences_is_extended_by_the_rest(tmp_pat
     data["sequences"][0] = data["sequences"][0][:-1]
     with pytest.raises(SystemExit, match="other taps, dtype or data; delete it"):
         train(8, "other.pt")
+
+
+def test_a_sampled_answer_is_labelled_with_the_targets_greedy_tokens_not_the_sampled_ones(tmp_path, monkeypatch):
+    """Greedy verification accepts only the target's argmax: where tools/distill.py sampled an answer,
+    the labels are the target's greedy token after each position of it (a full forward); a greedy
+    answer keeps its next tokens (no lm_head)."""
+    from minidcut.loader import load_target
+    target_dir, _ = make_tokenized_pair(tmp_path)
+    target = load_target(target_dir)
+    data = greedy_data(target, n=4)
+    g = torch.Generator().manual_seed(3)
+    data["sequences"][1] = data["sequences"][1][:8] + torch.randint(3, 300, (12,), generator=g).tolist()  # "sampled"
+    data["sampled"] = [False, True, False, False]
+    torch.save(data, tmp_path / "data.pt")
+    cache = tmp_path / "feats.pt"
+    train_drafter.main(["--target", str(target_dir), "--out", str(tmp_path / "d"), "--data", str(tmp_path / "data.pt"),
+                        "--steps", "1", "--batch-size", "2", "--anchors", "2", "--layers", "1", "--taps", "1,2",
+                        "--mask-token-id", "1", "--features-cache", str(cache)])
+    labels = torch.load(cache)["labels"]
+    seqs = [torch.tensor(s) for s in data["sequences"]]
+    _, argmax = train_drafter.target_features(target, seqs, (1, 2))  # full forwards: the target's greedy tokens
+    assert torch.equal(labels[1][:-1], argmax[1][:-1]) and not torch.equal(labels[1][:-1], seqs[1][1:])
+    for i in (0, 2, 3):
+        assert torch.equal(labels[i][:-1], seqs[i][1:])

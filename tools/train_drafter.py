@@ -202,12 +202,16 @@ def fingerprint(seqs: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def cached_features(args, target, seqs: list[torch.Tensor], taps: tuple[int, ...], console: Console):
+def cached_features(args, target, seqs: list[torch.Tensor], taps: tuple[int, ...], console: Console,
+                    sampled: list[bool] | None = None):
     """target_features of the training sequences, through --features-cache when given. A cache made
     from the first n of these sequences (same taps and --features-dtype) is extended by the rest, so a
-    data file that grew since (tools/distill.py continues its file) costs only its new sequences."""
+    data file that grew since (tools/distill.py continues its file) costs only its new sequences.
+    sampled: per sequence, whether its answer was sampled rather than greedy (tools/distill.py): its
+    labels are the target's own greedy tokens after each position, not the sampled ones (greedy
+    verification accepts only those)."""
     cache = Path(args.features_cache) if args.features_cache else None
-    key = {"taps": list(taps), "features_dtype": args.features_dtype}
+    key = {"taps": list(taps), "features_dtype": args.features_dtype, "sampled_labels": "argmax"}
     feats, labels = [], []
     if cache is not None and cache.is_file():
         cached = torch.load(cache)
@@ -220,7 +224,14 @@ def cached_features(args, target, seqs: list[torch.Tensor], taps: tuple[int, ...
     if len(feats) < len(seqs):
         source = (target if args.features_dtype == "float32"
                   else load_target(Path(args.target), torch.bfloat16, args.device))
-        new_f, new_y = target_features(source, seqs[len(feats):], taps, console, greedy_data=bool(args.data))
+        new = range(len(feats), len(seqs))
+        new_f, new_y = [None] * len(new), [None] * len(new)
+        for greedy in (True, False):  # greedy data: labels are the next tokens, no lm_head needed
+            part = [j for j, i in enumerate(new) if (bool(args.data) and not (sampled and sampled[i])) == greedy]
+            if part:
+                f, y = target_features(source, [seqs[new[j]] for j in part], taps, console, greedy_data=greedy)
+                for j, fj, yj in zip(part, f, y):
+                    new_f[j], new_y[j] = fj, yj
         feats, labels = feats + new_f, labels + new_y
         if cache is not None:
             write_atomically(cache, lambda tmp: torch.save(  # an interrupted save never leaves half a cache
@@ -433,6 +444,7 @@ def main(argv=None):
         data = torch.load(args.data)
         seqs = [torch.tensor(x, device=args.device) for x in data["sequences"]]
         starts = list(data["starts"])
+        sampled = list(data.get("sampled", [False] * len(seqs)))
         console.print(f"{len(seqs)} sequences from {args.data} ({sum(map(len, seqs))} tokens)")
     else:
         from transformers import AutoTokenizer
@@ -441,15 +453,15 @@ def main(argv=None):
         pick = torch.randperm(len(windows), generator=gen)[: args.sequences]
         console.print(f"self-distilling {len(pick)} sequences of {args.seq_len} tokens from {target_dir}")
         seqs = distill(target, windows[pick].to(args.device), args.seq_len - args.prompt_len, console)
-        starts = [1] * len(seqs)
+        starts, sampled = [1] * len(seqs), [False] * len(seqs)
     keep = [i for i, (q, st) in enumerate(zip(seqs, starts)) if len(q) - st >= 2]  # an anchor and a label
-    seqs, starts = [seqs[i] for i in keep], [starts[i] for i in keep]
+    seqs, starts, sampled = [seqs[i] for i in keep], [starts[i] for i in keep], [sampled[i] for i in keep]
     if args.init:
         drafter = load_drafter(args.init, target, torch.float32, args.device).train().requires_grad_(True)
         args.block_size = drafter.block_size
     else:
         drafter = build_drafter(args, target, mask_token_id(args, target_dir)).to(args.device)
-    feats, labels = cached_features(args, target, seqs, drafter.taps, console)
+    feats, labels = cached_features(args, target, seqs, drafter.taps, console, sampled)
     head = target.lm_head.weight  # [V, H]
     if args.data_vocab:  # the softmax over V' tokens; labels become indices into them
         vocab = torch.unique(torch.cat([*seqs, *labels]))  # [V']
