@@ -2,14 +2,12 @@
 
 The drafter's confidences are not probabilities of acceptance. gain_scale = realized / predicted
 accepted drafts over recent drafting steps rescales the gain before rho* is chosen: a running ratio with
-a memory of about 1 / (1 - DECAY) = 20 steps (stats.RunningRatio). (The other input, the cost table's seconds, is refined by
+a memory of about 1 / (1 - DECAY) = 20 steps. (The other input, the cost table's seconds, is refined by
 the steps themselves: cost_model.CostTable.refine.) The state belongs to the drafter, not to a batch
 size: it is kept across generate() calls until reset(), and across processes with the cost table.
 """
 
 from __future__ import annotations
-
-from .stats import RunningRatio
 
 DECAY = 0.95  # ~20 steps of memory: follows shifts, smooths single steps
 
@@ -21,11 +19,11 @@ class Calibration:
 
     def reset(self) -> None:
         self.gain_scale = 1.0
-        self.accepted = RunningRatio(DECAY)  # realized / predicted accepted drafts
+        self._accepted = {"predicted": 0.0, "realized": 0.0}
 
     @property
     def state(self) -> dict:
-        return {"gain_scale": self.gain_scale, "accepted": {"predicted": self.accepted.y, "realized": self.accepted.x}}
+        return {"gain_scale": self.gain_scale, "accepted": dict(self._accepted)}
 
     def load_state(self, state: dict) -> None:
         """Continue from a saved state (ValueError / KeyError / TypeError if it is not one)."""
@@ -34,13 +32,14 @@ class Calibration:
         if not 0 < gain_scale < float("inf"):
             raise ValueError("calibration state out of range")
         if self.enabled:  # switched off: raw confidences, whatever was learned before
-            self.gain_scale = gain_scale
-            self.accepted = RunningRatio(DECAY, accepted["realized"], accepted["predicted"])
+            self.gain_scale, self._accepted = gain_scale, accepted
 
     def observe(self, rec) -> None:
         """Learn from one StepRecord: a drafting step that kept drafts compares them with what it accepted."""
         if not self.enabled or not (rec.drafted and rec.rho > 0):
             return
-        self.accepted.add(rec.accepted, rec.predicted)
-        if self.accepted.y > 1.0:
-            self.gain_scale = min(max(self.accepted.value, 0.05), 20.0)
+        acc = self._accepted
+        acc["predicted"] = DECAY * acc["predicted"] + rec.predicted
+        acc["realized"] = DECAY * acc["realized"] + rec.accepted
+        if acc["predicted"] > 1.0:
+            self.gain_scale = min(max(acc["realized"] / acc["predicted"], 0.05), 20.0)

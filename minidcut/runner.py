@@ -164,8 +164,7 @@ class Runner:
         ran, clock.ahead = self.verify(batch, b, draft, K, ahead=plan.draft and plan.ahead)
         clock.mark("commit")
         clock.cold = self.graphs.cold_calls > cold  # compiled on first use: not a step's seconds
-        ran.caught_up = sent.caught_up
-        return ran
+        return dataclasses.replace(ran, caught_up=sent.caught_up)
 
     # ---- steps that advance nothing (the profiler) -----------------------------------------------
 

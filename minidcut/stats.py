@@ -9,22 +9,6 @@ from dataclasses import dataclass, field
 import torch
 
 
-class RunningRatio:
-    """sum x / sum y over recent steps, each step's weight falling by `decay` a step (a memory of about
-    1 / (1 - decay) steps): calibration's realized over predicted drafts."""
-
-    def __init__(self, decay: float, x: float = 0.0, y: float = 0.0):
-        self.decay, self.x, self.y = decay, float(x), float(y)
-
-    def add(self, x: float = 0.0, y: float = 0.0) -> None:
-        """One step: the weights so far fall by `decay`, then (x, y) joins at weight 1 (none: only aged)."""
-        self.x, self.y = self.decay * self.x + x, self.decay * self.y + y
-
-    @property
-    def value(self) -> float | None:
-        return self.x / self.y if self.y > 0 else None
-
-
 class Interval:
     """Seconds of the work launched between start() and stop(), read once the step's copy to the host
     has waited for it: host time on a CPU (eager calls run as they are called), CUDA events on a GPU
