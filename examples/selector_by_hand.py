@@ -88,7 +88,7 @@ console.print(t)
 # Steps 6-7: pack anchor + kept prefixes into T tokens, verify with the target, accept.
 with torch.inference_mode():
     request_ids = torch.arange(B, device=device)  # the sampling keys (unused when greedy)
-    commit, n_commit, _, _ = engine.runner.graphs.get("verify", B, Ks[shown])(anchor, anchor_pos, request_ids, drafts, keep[shown])
+    commit, n_commit, _, _ = engine.runner.graph("verify", B, Ks[shown])(anchor, anchor_pos, request_ids, drafts, keep[shown])
 t = Table(title=f"verification at rho = {RHOS[shown]:g}" + (" (rho*)" if shown == best else " (rho* = 0 would verify "
           "anchors only)") + ": accepted drafts (+1 bonus) per request")
 for c in ("i", "keep_len", "accepted", "committed text"):

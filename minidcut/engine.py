@@ -109,9 +109,7 @@ class Engine:
         rows = batch.live
         self.commit(batch, ran, stats, on_finish)  # tokens to requests (finished ones leave), the next draft
         rec = self.record(rows, b, plan, ran, clock, batch)
-        stats.add(rec, self.policy.calibration.gain_scale, ran, rows)
-        self.policy.observe(rec)  # calibration, the table's entry, skip drafting
-        clock.charge(stats)
+        self.observe(rec, ran, rows, stats, clock)  # calibration, the table's entry, skip drafting; stats
         return rec
 
     # ---- the steps of a step ---------------------------------------------------------------------
@@ -170,6 +168,13 @@ class Engine:
                           accepted=int(ran.n_commit[rows].sum()) - len(rows), kept=int(ran.kept[rows].sum()),
                           seconds=clock.step_seconds(), catchup=clock.catchup, caught_up=ran.caught_up,
                           redraft=clock.redraft, usable=plan.usable, prompt_context=prompt_context, admitted=admitted)
+
+    def observe(self, rec: StepRecord, ran: Ran, rows: list[int], stats: Stats, clock: StepClock) -> None:
+        """The step to the stats (with the gain scale its draft was chosen under) and to the policy, and
+        its seconds to the stats by part."""
+        stats.add(rec, self.policy.calibration.gain_scale, ran, rows)
+        self.policy.observe(rec)
+        clock.charge(stats)
 
     def commit(self, batch: Batch, ran: Ran, stats: Stats, on_finish) -> None:
         """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus), and the

@@ -3,8 +3,10 @@ steady state every step makes one device-to-host copy, and a drafting step one h
 its plan's inputs (gain scale, costs, limits) go over before its verification, the next step's draft
 made right after it picks rho* with them, and that pick (rho index and gain) crosses back with this
 step's tokens; an AR step's tokens alone, with nothing sent. A step whose rows changed drafts afresh:
-its inputs go over in one copy (the staging buffer) and its pick comes back in one more. No .item() at all. No torch.tensor() from host lists, outside the graphs or inside (the selector's budget
-vectors are constants of a compiled graph; run eagerly, tensors made once per bucket)."""
+its inputs go over in one copy (the staging buffer) and its pick comes back in one more. Counted
+by tests/crossings.py: every conversion of a device tensor to Python or to the host, and every host
+tensor or list that reaches the device, inside the graphs too (the selector's budget vectors are
+constants of a compiled graph; run eagerly, tensors made once per bucket)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from minidcut.engine import Engine
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
 from minidcut.stats import Stats
+from crossings import Crossings
 from tiny import Alternating, make_drafter, make_model
 
 GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -44,44 +47,62 @@ def tiny_pair(tmp_path):
     return target, load_drafter(tmp_path / "drafter", target)
 
 
+def test_the_crossing_counter_sees_every_kind_of_crossing():
+    """tests/crossings.py itself: conversions of device tensors count, host tensors' do not; a host
+    tensor or list meeting a device tensor counts as a copy to the device."""
+    dev = torch.zeros(4, device="cpu")  # made before counting: a device tensor
+    staging = torch.zeros(4)
+    with Crossings(host=[staging]) as c:
+        host = torch.arange(4)  # no device named: the host's
+        host.tolist(), int(host[0]), (host + 1).sum().item()  # host work: nothing crosses
+        assert not c.d2h and not c.h2d
+        dev.tolist(), int(dev[0]), bool(dev.sum() > 0), dev[1:].cpu(), dev.numpy()
+        assert sum(c.d2h.values()) == 5
+        dev[host] = 1.0  # a host index
+        dev[[0, 1]] = 2.0  # a Python list as an index
+        dev.copy_(staging)  # the staging buffer's one copy
+        dev + host  # a host operand
+        torch.tensor([1, 2], device="cpu")
+        assert sum(c.h2d.values()) == 5 and sum(c.d2h.values()) == 5
+
+
+def count_per_step(engine, prompts, lengths, calls=("prefill", "run_draft")):
+    """Run the engine step by step under a Crossings counter; [(record, d2h, h2d, runner calls)] per
+    step, the tokens checked against AR's."""
+    target = engine.target
+    requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    pending, batch, stats, per_step = collections.deque(requests), Batch.empty(engine.batch_size, engine.device), Stats(), []
+    seen = collections.Counter()
+    for name in calls:
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, _r=real, _n=name, **k: (seen.update([_n]), _r(*a, **k))[1])
+    with torch.inference_mode(), Crossings(host=[engine.runner.staging.host]) as c:
+        while pending or batch.live:
+            seen.clear(), c.d2h.clear(), c.h2d.clear()
+            rec = engine.step(batch, pending, stats)
+            per_step.append((rec, sum(c.d2h.values()), sum(c.h2d.values()), dict(seen)))
+    ar = Engine(target, None, Policy.ar(), batch_size=engine.batch_size, max_seq=engine.max_seq, eos_ids=[], compile=False)
+    assert [r.output for r in requests] == [ar.generate([p], n)[0][0] for p, n in zip(prompts, lengths)]
+    return per_step
+
+
 @pytest.mark.parametrize("forced", [0.5, 0.0])
-def test_a_steady_step_copies_once_each_way_when_it_drafts_and_once_back_when_it_does_not(tmp_path, monkeypatch,
-                                                                                           forced):
+def test_a_steady_step_crosses_once_each_way_when_it_drafts_and_once_back_when_it_does_not(tmp_path, forced):
+    """Every crossing counted (tests/crossings.py: conversions of device tensors to Python or to the
+    host, host tensors and lists reaching the device, inside the graphs too). In the steady state
+    (4 requests at B = 4: one admission, no compaction) a drafting step crosses once each way and an
+    AR step once back. The first step also admits (the prefill: one copy each way) and drafts afresh
+    (its pick comes back in one more; eager, the bucket's budget vector goes over, once per bucket)."""
     target, drafter = tiny_pair(tmp_path)
     table = CostTable([4], GRID, [[1.0 if r == forced else 1000.0 for r in GRID]])  # dcut picks `forced`
-    policy = Policy.dcut(table, GRID, calibrate=False, skip_drafting=forced > 0)
-    if forced == 0.0:  # AR steps only: a dcut policy that never drafts
-        policy = Policy.ar()
+    policy = Policy.dcut(table, GRID, calibrate=False, skip_drafting=False) if forced else Policy.ar()
     engine = Engine(target, drafter if forced else None, policy, batch_size=4, max_seq=96, eos_ids=[], compile=False)
-    counts, per_step, inside = collections.Counter(), [], []
-    real_counted = engine.runner.graphs.counted
-
-    def counted(key, fn):  # mark the time spent inside a graph
-        run = real_counted(key, fn)
-        return lambda *a: (inside.append(1), run(*a), inside.pop())[1]
-    engine.runner.graphs.counted = counted
-    for name, owner in (("item", torch.Tensor), ("cpu", torch.Tensor), ("tolist", torch.Tensor)):
-        real = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda self, *a, _r=real, _n=name, **k: (counts.update([_n]), _r(self, *a, **k))[1])
-    real_tensor, real_copy = torch.tensor, torch.Tensor.copy_
-    monkeypatch.setattr(torch, "tensor", lambda *a, **k: (counts.update([] if inside else ["tensor"]),
-                                                          real_tensor(*a, **k))[1])
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (
-        counts.update(["h2d"] if src.untyped_storage().data_ptr() == engine.runner.staging.host.untyped_storage().data_ptr() else []), real_copy(self, src, *a, **k))[1])
-
-    def on_step(stats, rec):
-        per_step.append((rec.drafted, dict(counts)))
-        counts.clear()
-    prompts = [[3 + i, 5, 7, 9, 11] for i in range(4)]  # 4 requests at B = 4: one admission, no compaction
-    engine.generate(prompts, 40, on_step=on_step)
-    steady = per_step[1:-1]  # the first step includes the admission (prefill), the last step its finish
-    assert len(steady) > 5
-    for drafted, c in steady:
-        assert c.get("tensor", 0) == 0  # no host list turned into a tensor
-        assert c.get("h2d", 0) == int(drafted) and c.get("item", 0) == 0 and c.get("cpu", 0) == 1
-    assert all(d for d, _ in steady) == (forced > 0)
-    if forced:  # the first step drafted afresh after the prefill: one copy each, its pick back in one more
-        assert per_step[0][1].get("h2d") == 2 and per_step[0][1].get("cpu", 0) >= 2
+    per_step = count_per_step(engine, [[3 + i, 5, 7, 9, 11] for i in range(4)], [40] * 4)
+    steady = per_step[1:-1]  # the last step includes its finish
+    assert len(steady) > 5 and all(rec.drafted == (forced > 0) for rec, *_ in steady)
+    assert all((d2h, h2d) == (1, int(forced > 0)) for _, d2h, h2d, _ in steady)
+    first = per_step[0][1:3]
+    assert first == ((3, 3) if forced else (2, 1))
 
 
 def test_a_draft_made_ahead_is_dropped_by_a_step_that_does_not_draft(tmp_path):
@@ -137,51 +158,25 @@ def test_a_steps_seconds_hold_one_draft_as_a_cost_table_entry_does(tmp_path, mon
     assert first["probing"] == (10.0, 0.0)
 
 
-def test_every_step_sends_its_host_inputs_in_one_copy(tmp_path, monkeypatch):
+def test_every_step_crosses_once_each_way_plus_its_prefill_and_fresh_draft(tmp_path):
     """Steps that are not steady ones too: admissions while others decode (the prefill is one copy each
     way of its own), compactions at a batch's tail, catch-ups of the drafter's context after AR steps
-    and fresh drafts. Each sends all its host inputs in one copy from the staging buffer; nothing else
-    reaches the device from a host list; one copy back, two when a fresh draft syncs on its pick."""
+    and fresh drafts. Each sends all its host inputs in one copy; one copy back, one more for a
+    prefill and for a fresh draft's pick. Eager, a bucket's first draft also sends its budget vector."""
     target, drafter = tiny_pair(tmp_path)
     engine = Engine(target, drafter, Alternating(3), batch_size=4, max_seq=128, eos_ids=[], compile=False)
-    counts, per_step, inside, seen = collections.Counter(), [], [], collections.Counter()
-    real_counted = engine.runner.graphs.counted
-
-    def counted(key, fn):
-        run = real_counted(key, fn)
-        return lambda *a: (inside.append(1), run(*a), inside.pop())[1]
-    engine.runner.graphs.counted = counted
-    for name in ("prefill", "move_rows", "catch_up", "run_draft"):
-        real = getattr(engine.runner, name)
-        setattr(engine.runner, name, lambda *a, _r=real, _n=name, **k: (seen.update([_n]), counts.update([_n]), _r(*a, **k))[2])
-    for name in ("item", "cpu"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: (counts.update([_n]), _r(self, *a, **k))[1])
-    real_tensor, real_copy, real_to = torch.tensor, torch.Tensor.copy_, torch.Tensor.to
-    monkeypatch.setattr(torch, "tensor", lambda *a, **k: (counts.update(["to device"] if k.get("device") is not None and not inside else []),
-                                                          real_tensor(*a, **k))[1])
-    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (counts.update(["to device"] if not inside and (
-        k.get("device") is not None or any(isinstance(x, (str, torch.device)) for x in a)) else []), real_to(self, *a, **k))[1])
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (
-        counts.update(["h2d"] if src.untyped_storage().data_ptr() == engine.runner.staging.host.untyped_storage().data_ptr() else []), real_copy(self, src, *a, **k))[1])
-
     prompts = [[3 + i, 5, 7, 9, 11][: 2 + i % 4] for i in range(7)]
     lengths = [12, 30, 20, 44, 16, 26, 36]  # finishing at different steps: rows free while others decode
-    requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
-    pending, batch, stats = collections.deque(requests), Batch.empty(4, engine.device), Stats()
-    with torch.inference_mode():
-        while pending or batch.live:
-            counts.clear()
-            engine.step(batch, pending, stats)
-            per_step.append(dict(counts))
+    per_step = count_per_step(engine, prompts, lengths, calls=("prefill", "move_rows", "catch_up", "run_draft"))
+    seen, buckets = collections.Counter(), set()
+    for rec, d2h, h2d, calls in per_step:
+        seen.update(calls)
+        first_draft = "run_draft" in calls and rec.bucket not in buckets
+        buckets |= {rec.bucket} if first_draft else set()
+        assert h2d <= 1 + calls.get("prefill", 0) + first_draft
+        assert d2h <= 1 + calls.get("prefill", 0) + calls.get("run_draft", 0)
     # 7 requests on 4 rows: admissions mid-run; the tail compacts; AR steps make drafting catch up
     assert seen["prefill"] > 1 and seen["move_rows"] >= 1 and seen["catch_up"] >= 1 and seen["run_draft"] >= 1
-    for c in per_step:
-        assert c.get("to device", 0) == 0 and c.get("item", 0) == 0
-        assert c.get("h2d", 0) <= 1 + c.get("prefill", 0)
-        assert c.get("cpu", 0) <= 1 + c.get("run_draft", 0)
-    ar = Engine(target, None, Policy.ar(), batch_size=4, max_seq=128, eos_ids=[], compile=False)
-    assert [r.output for r in requests] == [ar.generate([p], n)[0][0] for p, n in zip(prompts, lengths)]
 
 
 def test_a_draft_made_ahead_picks_rho_with_the_policys_latest_plan(tmp_path):
@@ -250,19 +245,3 @@ def test_the_drafters_prompt_context_is_charged_to_the_next_drafting_step(tmp_pa
     engine.generate([[3, 5, 7], [4, 6, 8, 10], [5, 7, 9]], 12, on_step=lambda stats, rec: records.append(rec))
     charged = [r.prompt_context for r in records]
     assert charged[0] == 1.0 and charged.count(1.0) == 2 and sum(charged) == 2.0  # two prefills, two charges
-
-
-def test_an_eager_draft_builds_no_tensor_from_host_lists_inside_the_graphs_either(tmp_path, monkeypatch):
-    """Run eagerly, the selector's budget vectors are made once per bucket (Graphs.budget_tensor), not
-    per draft: on a GPU each would be a host-to-device copy."""
-    target, drafter = tiny_pair(tmp_path)
-    table = CostTable([4], GRID, [[1.0 if r == 0.5 else 1000.0 for r in GRID]])
-    engine = Engine(target, drafter, Policy.dcut(table, GRID, calibrate=False, skip_drafting=False), batch_size=4,
-                    max_seq=96, eos_ids=[], compile=False)
-    made, per_step, real_tensor = [], [], torch.tensor
-    monkeypatch.setattr(torch, "tensor", lambda *a, **k: (made.append(a), real_tensor(*a, **k))[1])
-    engine.generate([[3 + i, 5, 7, 9, 11] for i in range(4)], 40,
-                    on_step=lambda stats, rec: (per_step.append((rec.drafted, len(made))), made.clear()))
-    steady = per_step[1:-1]
-    assert len(steady) > 5 and all(drafted for drafted, _ in steady)
-    assert all(n == 0 for _, n in steady)
