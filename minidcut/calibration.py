@@ -9,6 +9,8 @@ size: it is kept across generate() calls until reset(), and across processes wit
 
 from __future__ import annotations
 
+from .stats import DecayedRatio
+
 DECAY = 0.95  # ~20 steps of memory: follows shifts, smooths single steps
 
 
@@ -19,27 +21,26 @@ class Calibration:
 
     def reset(self) -> None:
         self.gain_scale = 1.0
-        self._accepted = {"predicted": 0.0, "realized": 0.0}
+        self.accepted = DecayedRatio(DECAY)  # realized / predicted accepted drafts
 
     @property
     def state(self) -> dict:
-        return {"gain_scale": self.gain_scale, "accepted": dict(self._accepted)}
+        realized, predicted = self.accepted.sums
+        return {"gain_scale": self.gain_scale, "accepted": {"predicted": predicted, "realized": realized}}
 
     def load_state(self, state: dict) -> None:
         """Continue from a saved state (ValueError / KeyError / TypeError if it is not one)."""
         gain_scale = float(state["gain_scale"])
-        accepted = {k: float(state["accepted"][k]) for k in ("predicted", "realized")}
+        accepted = DecayedRatio(DECAY, [state["accepted"][k] for k in ("realized", "predicted")])
         if not 0 < gain_scale < float("inf"):
             raise ValueError("calibration state out of range")
         if self.enabled:  # switched off: raw confidences, whatever was learned before
-            self.gain_scale, self._accepted = gain_scale, accepted
+            self.gain_scale, self.accepted = gain_scale, accepted
 
     def observe(self, rec) -> None:
         """Learn from one StepRecord: a drafting step that kept drafts compares them with what it accepted."""
         if not self.enabled or not (rec.drafted and rec.rho > 0):
             return
-        acc = self._accepted
-        acc["predicted"] = DECAY * acc["predicted"] + rec.predicted
-        acc["realized"] = DECAY * acc["realized"] + rec.accepted
-        if acc["predicted"] > 1.0:
-            self.gain_scale = min(max(acc["realized"] / acc["predicted"], 0.05), 20.0)
+        self.accepted.add(rec.accepted, rec.predicted)
+        if self.accepted.sums[1] > 1.0:
+            self.gain_scale = min(max(self.accepted.ratio(), 0.05), 20.0)

@@ -23,6 +23,13 @@ def budget(rho: float, B: int, D: int) -> int:
     return int(round(rho * B * D))
 
 
+def most_committed(K: int, n_live: int, usable: int) -> int:
+    """Tokens a step verifying at most K drafts commits at best: every kept draft accepted (no more than
+    the rows can still emit, `usable`) and each live row's anchor. What decides whether drafting can win
+    at all (skipping.py) and where the profiler stops measuring larger budgets (profiler.py)."""
+    return n_live + min(K, usable)
+
+
 def prefix_scores(conf: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """log s [B, D] from confidences conf [B, D]. Depths beyond limit[i] (request i may emit at most
     limit[i] more drafts; 0 for an empty row) score -inf: they can never be emitted, so they are

@@ -17,8 +17,9 @@ commit    each request gets its committed tokens; finished requests free their r
 observe   one StepRecord to the policy (calibration, the cost table's entry, skip drafting)
 
 The device side (caches, graphs, prefill, row moves, catch-up, spans, the one copy each way) is the
-runner's (runner.py); the seconds are the clock's (stats.StepClock). `ar` runs the verify graph with
-K = 0 (one token per row) and never drafts. docs/walkthrough.md follows one step through this file.
+runner's (runner.py), which returns its seconds by part with the step (stats.RunSeconds);
+stats.StepClock frames them. `ar` runs the verify graph with K = 0 (one token per row) and never drafts.
+docs/walkthrough.md follows one step through this file.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class Engine:
         b = self.bucket_for(batch.live[-1] + 1)
         moved = self.measure_missing_row(batch, b, moved, stats, clock)  # a first step at b without costs
         plan = self.plan(batch, b)  # draft or not; the costs and gain scale rho* is chosen with
-        ran = self.runner.step(batch, b, plan, moved, clock)  # draft (or the one made ahead), verify
+        ran = self.runner.step(batch, b, plan, moved)  # draft (or the one made ahead), verify
         rows = batch.live
         self.commit(batch, ran, stats, on_finish)  # tokens to requests (finished ones leave), the next draft
         rec = self.record(rows, b, plan, ran, clock, batch)
@@ -166,15 +167,15 @@ class Engine:
                           rho=self.policy.rhos[ran.draft.rho_index] if ran.K else 0.0,
                           predicted=ran.draft.predicted if plan.draft else 0.0,
                           accepted=int(ran.n_commit[rows].sum()) - len(rows), kept=int(ran.kept[rows].sum()),
-                          seconds=clock.step_seconds(), catchup=clock.catchup, caught_up=ran.caught_up,
-                          redraft=clock.redraft, usable=plan.usable, prompt_context=prompt_context, admitted=admitted)
+                          seconds=clock.step_seconds(ran.seconds), catchup=ran.seconds.catchup,
+                          caught_up=ran.caught_up, redraft=ran.seconds.redraft, usable=plan.usable, prompt_context=prompt_context, admitted=admitted)
 
     def observe(self, rec: StepRecord, ran: Ran, rows: list[int], stats: Stats, clock: StepClock) -> None:
         """The step to the stats (with the gain scale its draft was chosen under) and to the policy, and
         its seconds to the stats by part."""
         stats.add(rec, self.policy.calibration.gain_scale, ran, rows)
         self.policy.observe(rec)
-        clock.charge(stats)
+        clock.charge(stats, ran.seconds)
 
     def commit(self, batch: Batch, ran: Ran, stats: Stats, on_finish) -> None:
         """Hand each live row its committed tokens [n_commit[i]] (accepted drafts and the bonus), and the

@@ -34,6 +34,7 @@ import torch
 
 from .batch import Request
 from .cost_model import CostTable
+from .dcut import most_committed
 from .graphs import REPLAYED
 from .policy import StepPlan, StepRecord
 
@@ -108,8 +109,7 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     best = max((rate[ri] / row[ri] for ri in range(len(rhos)) if Ks[ri] == 0), default=0.0)
     # Drafts a step at this bucket could keep with these live rows: the row serves every later step at
     # the bucket, so not these rows' remaining tokens (near their end a row can emit few drafts).
-    keepable = min(max(Ks), n_live * engine.D)
-    ceiling = float(policy.committed(torch.tensor(float(keepable)), torch.tensor(float(n_live)), torch.tensor(1.0)))
+    ceiling = most_committed(max(Ks), n_live, n_live * engine.D)  # in tokens: above the objective's bound
     for ri in drafting:
         row[ri] = cell(ri)
         best = max(best, rate[ri] / row[ri])

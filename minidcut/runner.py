@@ -33,7 +33,7 @@ from .model import prefill_layout
 from .policy import StepPlan
 from .sampling import sample, sample_keys
 from .staging import Staging
-from .stats import Interval
+from .stats import Interval, RunSeconds
 
 SPAN_STEP = 16  # eager steps read the cache in multiples of this many positions (Runner.span)
 
@@ -58,6 +58,7 @@ class Ran:
     K: int  # the verify graph's budget (0: nothing kept)
     ahead: Ahead | None  # the next step's draft, made after verifying (None: not made)
     caught_up: int = 0  # positions whose drafter context the step's catch-up wrote first
+    seconds: RunSeconds = dataclasses.field(default_factory=RunSeconds)
 
 
 class Runner:
@@ -146,25 +147,27 @@ class Runner:
 
     # ---- the step ---------------------------------------------------------------------------------
 
-    def step(self, batch: Batch, b: int, plan: StepPlan, moved: list[int], clock) -> Ran:
+    def step(self, batch: Batch, b: int, plan: StepPlan, moved: list[int]) -> Ran:
         """One decode step over the batch's rows [0, b): its one copy in (the plan's draft inputs, the rows
         a compaction `moved`, the positions to catch up), the draft the previous step made ahead if still
         valid or a fresh one (its pick copied to the host), verification of rho*'s budget, and the next
-        step's block drafted ahead where the plan says so. Marks the stats.StepClock as it goes."""
+        step's block drafted ahead where the plan says so. The Ran holds its seconds by part."""
         cold = self.graphs.cold_calls
         draft = batch.take_ahead(b, use=plan.draft)  # drafted by the previous step, if still valid
         sent = self.send(batch, b, plan if plan.draft else None, moved)
-        clock.mark("draft", catchup=sent.catchup_seconds)
-        clock.redrafted = plan.draft and draft is None and plan.ahead
-        if plan.draft and draft is None:  # rows changed hands: draft + select + rho* now
+        t0 = time.perf_counter()
+        fresh = plan.draft and draft is None
+        if fresh:  # rows changed hands: draft + select + rho* now
             draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], sent.draft_inputs,
                                    self.draft_span(batch.reach))
         K = self.graphs.budgets(b)[draft.rho_index] if draft is not None else 0
-        clock.mark("verify")
-        ran, clock.ahead = self.verify(batch, b, draft, K, ahead=plan.draft and plan.ahead)
-        clock.mark("commit")
-        clock.cold = self.graphs.cold_calls > cold  # compiled on first use: not a step's seconds
-        return dataclasses.replace(ran, caught_up=sent.caught_up)
+        t1 = time.perf_counter()
+        ran, ahead = self.verify(batch, b, draft, K, ahead=plan.draft and plan.ahead)
+        end = time.perf_counter()
+        cold = self.graphs.cold_calls > cold  # compiled on first use: not a step's seconds
+        seconds = RunSeconds(sent.catchup_seconds, t1 - t0, end - t1, ahead,
+                             redraft=t1 - t0 if fresh and plan.ahead and not cold else 0.0, cold=cold, end=end)
+        return dataclasses.replace(ran, caught_up=sent.caught_up, seconds=seconds)
 
     # ---- steps that advance nothing (the profiler) -----------------------------------------------
 

@@ -83,7 +83,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from .dcut import budget
+from .dcut import budget, most_committed
+from .stats import DecayedRatio
 
 CONFIDENCE = 0.90  # drafting goes off when its mean gain over AR is below zero at this one-sided confidence
 RUN_DECAY = 0.98  # the evidence's memory: weights fall by 2 % a drafting step (~50 steps, probes included)
@@ -158,7 +159,7 @@ class SkipDrafting:
         self.drafting_steps = 0
         self.skipped = 0  # AR steps since drafting went off
         self.catchup_per_position = 0.0  # seconds the last catch-up of the drafter's context took a position
-        self.accepted = [0.0, 0.0]  # long running [accepted drafts, live rows] of drafting steps
+        self.accepted = DecayedRatio(ACCEPTED_DECAY)  # accepted drafts / live rows of drafting steps
         self.failed_probes = 0  # losing probes since drafting was last on (backoff)
         self.lumps = Evidence()  # what drafting alone paid around each drafting step, tokens per row
         self.requests = 0  # requests the samples came from (live rows of the first, then admissions)
@@ -180,7 +181,7 @@ class SkipDrafting:
         that can still emit `usable` drafts (default: every row of the batch size, a whole block each)."""
         n = self.B if n_live is None else n_live
         u = n * self.D if usable is None else usable
-        best = max((n + min(budget(r, self.B, self.D), u)) / cost[r] for r in self.rhos if r > 0)
+        best = max(most_committed(budget(r, self.B, self.D), n, u) / cost[r] for r in self.rhos if r > 0)
         return best / (n / cost[0.0])
 
     def pays(self, cost: dict[float, float], n_live: int | None = None, usable: int | None = None) -> bool:
@@ -189,16 +190,14 @@ class SkipDrafting:
 
     @property
     def state_dict(self) -> dict:
-        return {k: getattr(self, k).sums if k in EVIDENCE else getattr(self, k) for k in STATE}
+        return {k: getattr(self, k).sums if k in EVIDENCE + ("accepted",) else getattr(self, k) for k in STATE}
 
     def load_state(self, saved: dict) -> None:
         """Continue from a saved state_dict (KeyError / ValueError / TypeError if it is not one). A
         bucket whose table now says drafting is impossible stays off."""
         if saved["state"] not in ("drafting", "off", "probing"):
             raise ValueError(f"unknown skip state {saved['state']!r}")
-        evidence, accepted = Evidence(saved["evidence"]), [float(x) for x in saved["accepted"]]
-        if len(accepted) != 2:
-            raise ValueError("skip state: accepted must be [drafts, rows]")
+        evidence, accepted = Evidence(saved["evidence"]), DecayedRatio(ACCEPTED_DECAY, saved["accepted"])
         self.state = saved["state"] if self.possible else "off"
         self.evidence, self.accepted = evidence, accepted
         self.catchup_per_position = float(saved["catchup_per_position"])
@@ -218,7 +217,7 @@ class SkipDrafting:
     def usual_accepted(self) -> float:
         """Accepted drafts per live row of drafting steps that kept drafts, a long running mean (0
         before any)."""
-        return self.accepted[0] / self.accepted[1] if self.accepted[1] > 0 else 0.0
+        return self.accepted.ratio()
 
     @property
     def spread(self) -> bool:
@@ -303,8 +302,7 @@ class SkipDrafting:
         self.requests = max(self.requests + rec.admitted, rec.n_live)  # the requests the samples came from
         self.latest = 1 if rec.admitted else self.latest + 1
         if rec.rho > 0:
-            self.accepted = [ACCEPTED_DECAY * self.accepted[0] + rec.accepted,
-                             ACCEPTED_DECAY * self.accepted[1] + rec.n_live]
+            self.accepted.add(rec.accepted, rec.n_live)
         # A step with few live rows (a batch's tail, where each keeps more of the budget) counts for
         # what it commits: its gain per row is weighted by its share of the batch's rows.
         x, lump = self.gain_over_ar(rec) * rec.n_live / self.B, self.lump_over_ar(rec) * rec.n_live / self.B

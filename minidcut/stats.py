@@ -9,6 +9,22 @@ from dataclasses import dataclass, field
 import torch
 
 
+class DecayedRatio:
+    """A running ratio sum(decay^age * x) / sum(decay^age * y) of the samples (x, y) so far: a memory of
+    about 1 / (1 - decay) samples. Its state is the two sums."""
+
+    def __init__(self, decay: float, sums=(0.0, 0.0)):
+        self.decay, self.sums = decay, [float(v) for v in sums]
+        if len(self.sums) != 2:
+            raise ValueError("a decayed ratio's state is two sums")
+
+    def add(self, x: float, y: float) -> None:
+        self.sums = [self.decay * self.sums[0] + x, self.decay * self.sums[1] + y]
+
+    def ratio(self, default: float = 0.0) -> float:
+        return self.sums[0] / self.sums[1] if self.sums[1] > 0 else default
+
+
 class Interval:
     """Seconds of the work launched between start() and stop(), read once the step's copy to the host
     has waited for it: host time on a CPU (eager calls run as they are called), CUDA events on a GPU
@@ -39,47 +55,46 @@ class Interval:
         return a.elapsed_time(b) / 1000 if self.cuda else b - a
 
 
+@dataclass
+class RunSeconds:
+    """A runner step's seconds by part (runner.Runner.step), on the host clock: each part ends when its
+    result reached the host (the fresh draft's pick, the step's tokens), so on CUDA it holds the work."""
+
+    catchup: float = 0.0  # the drafter's context of skipped positions, written before the draft
+    draft: float = 0.0  # a fresh draft (0: the step verified the draft made ahead, or did not draft)
+    verify: float = 0.0  # from the draft ready to the tokens on the host, the draft made ahead included
+    ahead: float = 0.0  # that draft made ahead, for the next step
+    redraft: float = 0.0  # the fresh draft, when the step also drafted ahead: two drafts in one step
+    cold: bool = False  # a compiled graph ran for the first time: compiling, not a step's seconds
+    end: float = 0.0  # time.perf_counter() when the step's tokens reached the host
+
+
 class StepClock:
-    """The seconds of one decode step, kept apart from the method (Engine.step): marks where drafting and
-    verification begin and end, and what the step spent on measuring a cost row, on the catch-up and on
-    the draft it made ahead. A step's record gets one draft and one verification (as a cost-table entry
-    prices a step); the stats get every second, split into draft / verify / bookkeeping."""
+    """The seconds of one decode step, kept apart from the method (Engine.step): its start, what it spent
+    measuring a cost row, and the runner's parts (RunSeconds). A step's record gets one draft and one
+    verification (as a cost-table entry prices a step); the stats get every second, split into draft /
+    verify / bookkeeping."""
 
     def __init__(self):
-        self.marks = {"start": time.perf_counter()}
-        self.measuring = self.catchup = self.ahead = self.redraft = 0.0
-        self.cold = False  # the step ran a compiled graph that was not warm yet: its seconds are compiling
-        self.redrafted = False  # a fresh draft that also drafted ahead: two drafts in the step
+        self.start, self.measuring = time.perf_counter(), 0.0
 
-    def mark(self, phase: str, catchup: float | None = None) -> None:
-        """phase 'draft' (the step's inputs sent, with the catch-up's seconds), 'verify' (its draft
-        ready), 'commit' (verified)."""
-        self.marks[phase] = time.perf_counter()
-        if catchup is not None:
-            self.catchup = catchup
-
-    def step_seconds(self) -> float:
+    @staticmethod
+    def step_seconds(ran: RunSeconds) -> float:
         """Seconds from the draft on, with one draft: a fresh draft that also drafted ahead ran two, and
-        the fresh one (redraft) is the price of rows changing hands, not of this step's budget."""
-        if self.cold:  # compiling, not a step's or a redraft's time: nothing measured
-            self.redraft = 0.0
-            return 0.0
-        self.redraft = self.marks["verify"] - self.marks["draft"] if self.redrafted else 0.0
-        return time.perf_counter() - self.marks["draft"] - self.redraft
+        the fresh one (redraft) is the price of rows changing hands, not of this step's budget. 0 for a
+        cold step (compiling: nothing measured)."""
+        return 0.0 if ran.cold else ran.draft - ran.redraft + ran.verify + time.perf_counter() - ran.end
 
-    def charge(self, stats: "Stats") -> None:
-        """Every second of the step but prefill and measuring into stats.seconds (a cold step's all
-        into compile): drafting holds the
-        catch-up and the draft made ahead; bookkeeping the plan, staging and row moves before the draft
-        and the commit and feedback after the verification."""
-        m = self.marks
-        if self.cold:  # a graph compiled or recorded in this step: compile time, not decoding
-            stats.seconds["compile"] += time.perf_counter() - m["start"] - self.measuring
+    def charge(self, stats: "Stats", ran: RunSeconds) -> None:
+        """Every second of the step but measuring into stats.seconds (a cold step's all into compile):
+        drafting holds the catch-up and the draft made ahead; bookkeeping the plan, staging and row
+        moves before the draft and the commit and feedback after the verification."""
+        total = time.perf_counter() - self.start - self.measuring
+        if ran.cold:
+            stats.seconds["compile"] += total
             return
-        before = m["draft"] - m["start"] - self.measuring - self.catchup
-        stats.seconds.update(draft=m["verify"] - m["draft"] + self.catchup + self.ahead,
-                             verify=m["commit"] - m["verify"] - self.ahead,
-                             bookkeeping=before + time.perf_counter() - m["commit"])
+        stats.seconds.update(draft=ran.catchup + ran.draft + ran.ahead, verify=ran.verify - ran.ahead,
+                             bookkeeping=total - ran.catchup - ran.draft - ran.verify)
 
 
 @dataclass
