@@ -1,81 +1,16 @@
 """Skip drafting: whether to draft at all at one batch size (docs/method.md, "Skipping drafting").
 
 The paper's rule picks how much to verify once a block is drafted; at a large batch size even rho = 0
-can lose, because the draft itself costs time. This controller decides apart from the rule, with an
-explicit state:
+can lose, because the draft itself costs time. One SkipDrafting per batch size, in one of three states:
 
-  drafting   every step drafts. Each drafting step is one sample of its gain over AR: the tokens it
-             committed per row less what AR steps commit in the same time, weighted by the step's
-             share of live rows. Drafting goes off only when the evidence says, with CONFIDENCE, that
-             the mean gain is below zero: the one-sided upper confidence bound of the samples' mean
-             (Student's t, the samples weighted by RUN_DECAY per drafting step), less the mean of
-             what drafting paid around its steps (the lumps, below), lies below zero, after at
-             least `patience` drafting steps over at least two requests.
-  off        AR steps. A probe runs once the AR steps since drafting went off have earned its price.
-  probing    one drafting step; its sample joins the evidence, and drafting is on again once the
-             evidence's mean gain (net of the lumps) is above zero: off on confidence that drafting
-             loses, on again on the best estimate that it wins (hysteresis). Going back on at the bound
-             alone would undo most switch-offs at once: drafting goes off the step the bound crosses
-             zero, so the next sample above the mean lifts it back (traced at B = 4 on the demo pair,
-             where drafting loses 15-20 %: probes turned drafting on with mean gains of -0.6 and -0.2
-             tokens a row, and it ran on for 30 and 200 steps). The probes since drafting went off are
-             also kept on their own: once they say, with CONFIDENCE, that drafting wins (the lower
-             bound of their mean, net of their lumps, above zero), the workload has changed, and they
-             replace the evidence: samples of requests long gone cannot outvote new ones that clearly
-             win (at B = 1, 44 blocks of hard requests at -0.3 a block take five probes of +0.7 to +2.7
-             to outweigh on the mean, at least 16 AR steps apart each; the probes' own bound, three).
+  drafting   every step drafts, and is a sample of its gain over AR steps (gain_over_ar; what drafting
+             paid around it, lump_over_ar, kept apart). Off when the samples' upper confidence bound,
+             net of the lumps, is below zero (losing), on at least two requests' samples (spread).
+  off        AR steps; a probe runs once they have earned its price (probe_period, probe_price).
+  probing    one drafting step: its sample joins the evidence; drafting is on again once the mean gain
+             is above zero, or when the probes alone say with confidence that drafting wins.
 
-Successive blocks of one request are not independent samples: a prompt the drafter finds hard is hard
-for all of its blocks. So the samples that switch drafting off must come from more than one request,
-and at B = 1, where each sample is one request's, the latest request must have given `patience` of
-them itself: a hard first request followed by one block of the next cannot switch drafting off (on the
-demo pair the bench's first request accepted about one draft a step for 16 steps, where the prompts
-after it accept two to three and drafting wins 1.35x; in traced runs the second request's first block
-switched drafting off, and 3 of 10 bench runs then ran mostly AR steps).
-
-Drafting is the default and off the decision that needs evidence: a handful of poor first steps on a
-noisy machine (single steps spread 30 % on a 2-core CPU) does not switch it off unless they are
-consistently poor. Where it does go off wrongly, probes that win pull the mean up: each moves it by
-its gain over the evidence's weight, so after k poor samples of gain -g, probes of gain +h turn
-drafting on within about k * g / h of them. Where drafting loses, the mean stays below zero and a
-lucky probe changes nothing.
-
-Probes are paid from a budget set by the room to win: the tokens per second the best budget would
-commit at full acceptance over an AR step's, `room` (4-5 at B = 1 on a CPU, ~1.5 at B = 64). Drafting
-at best commits an AR step's tokens in 1 / room of its time, so it could save (1 - 1 / room) of every
-AR step; each AR step while off earns PROBE_SHARE of that toward the next probe, and a probe runs once
-those earnings pay its price (never sooner than probe_every steps). Each probe whose own step lost
-doubles that period (an exponential backoff, at most MAX_BACKOFF times: where drafting keeps losing,
-probes thin out geometrically, so their cost over a run grows with its logarithm); one that turns
-drafting on resets it, and one whose own step won without turning drafting on (the mean is still below
-zero, but rising) leaves the period as it was. Where drafting never pays, probing thus costs at most
-PROBE_SHARE * (1 - 1 / room) of the run (under PROBE_SHARE at any room, about a third of it at room
-1.5), and less as the backoff grows; where it might win much, the first probe comes soon. A probe's price is a drafting
-step at the dearest budget the rule may pick, less what drafting usually commits (a long running
-mean), plus the catch-up of the drafter's context it must write first (priced per position as the
-last one took). The catch-up grows with every skipped step, so where it grows faster than the
-earnings a probe waits for rows that have little to catch up (requests admitted since).
-
-What drafting alone pays around its steps comes in lumps: a prompt's context for the drafter when it
-is admitted, a draft made afresh when the rows change, the catch-up before a drafting step. They are
-kept apart from the samples, as their own weighted mean over the same drafting steps (the same
-RUN_DECAY weights), and the decision subtracts that mean from the samples' bound: drafting is charged
-exactly the lumps it paid over the steps the evidence remembers, and one lump cannot decide a sample.
-Charged whole to the sample it falls on, a probe at B = 1 after an admission would carry the whole
-prompt's context and lose where drafting doubles the tokens per second; charged to each sample at the
-rate so far, a run's first samples would each carry the first prompt's whole context over the few
-steps seen (the k-th a 1 / k share, the first four together twice what they paid, the first sixteen
-3.4 times), and stay in the evidence for its memory. A probe's own catch-up, of the positions
-skipped while drafting was off, is the price of having been off: the probe budget pays it (below), and
-the lumps leave it out.
-
-Step seconds are the cost table's entries, as the loop's own steps refine them (CostTable.refine).
-Where the table says no rho > 0 can beat an AR step even if every kept draft were accepted, the
-controller never drafts (`possible` is False). Without a table row for this batch size it does not
-draft either: it has nothing to compare with. The same test on the live rows: a step whose rows are
-too near their ends to pay even if every draft they can still emit were accepted runs AR (a batch's
-last steps), and such a drafting step (the profiler times some on whatever rows it finds) is not
-counted: it says nothing about drafting at this batch size.
+Never drafts without a table row, or where no budget could win even at full acceptance (pays).
 """
 
 from __future__ import annotations
@@ -266,9 +201,9 @@ class SkipDrafting:
         """Tokens per live row a drafting step committed beyond what AR steps commit in the same time:
         1 + accepted / n_live - its seconds / an AR step's, its seconds being the table's for its rho.
         What the step realized, not what it was predicted to: the rule picks the rho whose prediction
-        is highest, so the picked prediction runs high, most where drafting is near break-even
-        (docs/method.md, "Skipping drafting"). What drafting paid around the step is kept apart
-        (lump_over_ar)."""
+        is highest, so the picked prediction runs high, most where drafting is near break-even (at
+        B = 16 on the demo pair calibrated predictions ran 3-18 % high). What drafting paid around the
+        step is kept apart (lump_over_ar)."""
         return 1.0 + rec.accepted / max(rec.n_live, 1) - self.seconds(True, rec.rho) / self.seconds(False)
 
     def lump_over_ar(self, rec) -> float:
