@@ -61,7 +61,14 @@ class Ahead:
 @dataclass
 class Batch:
     """Host-side state of the cache rows: which request each row holds, and per row the anchor (last
-    committed token) and its position on the device. Live rows are kept in the lowest rows."""
+    committed token) and its position on the device. Live rows are kept in the lowest rows.
+
+    Per row, the request on the host owns its tokens, and so its position, the drafts it can still use
+    and how far its drafter context is written. The device tensors here hold what the graphs read (the
+    anchor, its position, the sampling key): written only by the prefill and by the verification that
+    commits the same tokens, moved with their rows, never read back. A draft made ahead lowers each
+    row's limit on the device by what it committed (the host's limit after the commit), and is used
+    only while no row changed hands (take_ahead)."""
 
     requests: list[Request | None]
     anchor: torch.Tensor  # [rows]

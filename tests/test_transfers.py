@@ -68,7 +68,9 @@ def test_the_crossing_counter_sees_every_kind_of_crossing():
 
 def count_per_step(engine, prompts, lengths, calls=("prefill", "run_draft")):
     """Run the engine step by step under a Crossings counter; [(record, d2h, h2d, runner calls)] per
-    step, the tokens checked against AR's."""
+    step, the tokens checked against AR's. After every step the device's per-row state (anchor, its
+    position, the sampling key) is what the host's requests say: the host owns the tokens, the device
+    holds a copy the graphs advance (batch.Batch)."""
     target = engine.target
     requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
     pending, batch, stats, per_step = collections.deque(requests), Batch.empty(engine.batch_size, engine.device), Stats(), []
@@ -81,6 +83,9 @@ def count_per_step(engine, prompts, lengths, calls=("prefill", "run_draft")):
             seen.clear(), c.d2h.clear(), c.h2d.clear()
             rec = engine.step(batch, pending, stats)
             per_step.append((rec, sum(c.d2h.values()), sum(c.h2d.values()), dict(seen)))
+            held = [(int(batch.anchor[i]), int(batch.anchor_pos[i]), int(batch.request_ids[i])) for i in batch.live]
+            assert held == [((r.prompt + r.output)[-1], r.anchor_pos, r.index)  # (read after the count)
+                            for r in (batch.requests[i] for i in batch.live)]
     ar = Engine(target, None, Policy.ar(), batch_size=engine.batch_size, max_seq=engine.max_seq, eos_ids=[], compile=False)
     assert [r.output for r in requests] == [ar.generate([p], n)[0][0] for p, n in zip(prompts, lengths)]
     return per_step
@@ -166,7 +171,8 @@ def test_every_step_crosses_once_each_way_plus_its_prefill_and_fresh_draft(tmp_p
     target, drafter = tiny_pair(tmp_path)
     engine = Engine(target, drafter, Alternating(3), batch_size=4, max_seq=128, eos_ids=[], compile=False)
     prompts = [[3 + i, 5, 7, 9, 11][: 2 + i % 4] for i in range(7)]
-    lengths = [12, 30, 20, 44, 16, 26, 36]  # finishing at different steps: rows free while others decode
+    lengths = [12, 40, 20, 24, 16, 30, 50]  # finishing at different steps: rows free while others decode, and
+    #                                          moved rows decode on (two compactions)
     per_step = count_per_step(engine, prompts, lengths, calls=("prefill", "move_rows", "catch_up", "run_draft"))
     seen, buckets = collections.Counter(), set()
     for rec, d2h, h2d, calls in per_step:
