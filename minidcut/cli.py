@@ -61,7 +61,8 @@ def check_runtime_args(args) -> None:
 
 def run_reporting_errors(run_fn, args, console: Console) -> int:
     """Run a CLI body; a user mistake becomes one `error:` line on stderr and exit status 2; Ctrl-C
-    one `interrupted` line and exit status 130."""
+    one `interrupted` line and exit status 130. Every program's main() is this call and little else
+    (`duplicates` pairs their last lines as boilerplate: kept, they are the entry points)."""
     try:
         return run_fn(args, console)
     except USER_ERRORS as e:
@@ -152,6 +153,17 @@ CHAT_HELP = ("put each prompt under the tokenizer's chat template, with the temp
              "(VALUE as JSON: true, 3, \"x\"; else a string). Default: enable_thinking=false, so Qwen3 answers "
              "without a thinking trace, as DFlash drafters are trained; templates that do not use an argument "
              "ignore it. `--chat enable_thinking=true` lets Qwen3 think")
+
+
+def add_pair_args(p, program: str) -> None:
+    """--target, --drafter, --prompts and --chat of a tool that runs `program` (bench or generate) on a
+    pair and passes them on (tools/oneshot.py, tools/worst_case.py)."""
+    p.add_argument("--target", default=str(DEFAULT_TARGET), help="target directory (default: the demo target)")
+    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter directory (default: the demo drafter)")
+    p.add_argument("--prompts", default=str(MODELS / "prompts_heldout.jsonl"),
+                   help=f"JSONL prompt file, as {program}'s --prompts (default: the held-out code prompts)")
+    p.add_argument("--chat", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
+                   help=f"pass --chat (and its template arguments) to {program}")
 
 
 def add_chat_arg(p) -> None:

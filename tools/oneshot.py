@@ -36,12 +36,7 @@ from minidcut import cli  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default=str(cli.DEFAULT_TARGET), help="target directory (default: the demo target)")
-    p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="drafter directory (default: the demo drafter)")
-    p.add_argument("--prompts", default=str(cli.MODELS / "prompts_heldout.jsonl"),
-                   help="JSONL prompt file, as generate's --prompts (default: the held-out code prompts)")
-    p.add_argument("--chat", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
-                   help="pass --chat (and its template arguments) to generate")
+    cli.add_pair_args(p, "generate")
     p.add_argument("--batch-sizes", default="1,4,16,32,64", help="comma-separated (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: max(2B, 8))")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")

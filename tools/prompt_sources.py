@@ -183,7 +183,7 @@ class Source:
 
 
 OA = "model/model_eval/manual/data/"
-SOURCES = [
+SOURCES = [  # a table: one row per file, alike by design
     # training: human-written chat first (dedup keeps the first of duplicates)
     Source("oasst-lottery", "LAION-AI/Open-Assistant", OA + "prompt_lottery_en_250_text.jsonl",
            "af992dd76724d37966f5c2439671294b0c632e2c", "Apache-2.0", "train", read_oasst_lottery),

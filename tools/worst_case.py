@@ -56,12 +56,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10, help="runs per batch size, each from an empty table (default: %(default)s)")
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,4,16,64; with --summarize: all)")
-    p.add_argument("--target", default=str(cli.DEFAULT_TARGET), help="target directory (default: the demo target)")
-    p.add_argument("--drafter", default=str(cli.DEFAULT_DRAFTER), help="drafter directory (default: the demo drafter)")
-    p.add_argument("--prompts", default=str(cli.MODELS / "prompts_heldout.jsonl"),
-                   help="JSONL prompt file, as bench's --prompts (default: the held-out code prompts)")
-    p.add_argument("--chat", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
-                   help="pass --chat (and its template arguments) to bench")
+    cli.add_pair_args(p, "bench")
     p.add_argument("--policies", default="ar,full,static:0.25,static:0.5,static:0.75,dcut",
                    help="bench's --policies; must hold dcut and ar (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
