@@ -3,7 +3,6 @@ side-by-side bench on random-weight models of real shapes, in one JSON report.
 
     python tools/gpu_check.py --out gpu_report.json     # at most ~30 minutes (B = 1, 16, 64)
     python tools/gpu_check.py --quick                   # at most ~13 minutes (B = 16)
-    python tools/gpu_check.py --first-hour --out first_hour.json   # at most ~8 minutes (see "The first hour")
 
 1. tests   `python -m pytest -q -m cuda tests/test_cuda.py tests/test_moe.py`, in a subprocess.
 2. models  in memory, bf16, random weights: dense of Qwen3-8B's shape, moe of Qwen3-30B-A3B's (DENSE, MOE),
@@ -22,26 +21,7 @@ the tests took 195 s, one batch size of the dense cost table 138 s. pytest is ki
 model part stops at the first step past its time and reports what it skipped; the report is written
 after every part, so a run killed from outside keeps the parts it finished.
 
-The first hour (--first-hour, alone): what a new user's first run pays, dense at full depth (--layers):
-1. bandwidth    dst.copy_(src) of 1 GiB, the best of 5 rounds of 5 copies: 2 x bytes / seconds per copy.
-2. first token  seconds from a process's start to its first token, in a child (--first-token-child) on an
-                empty compile cache (cold), then in one on that cache (warm), each doing what a first
-                `python -m minidcut.generate --batch-size 32` does: 32 random 64-token prompts, no cost
-                table on file, dcut, Engine.warmup (of bucket 32 only: cli_graphs counts generate's), the
-                first step measuring bucket 32's cost row. Per graph: its seconds to the next announced.
-3. steps        an AR and a full-depth step (16 tokens a row) at B = 1, 16 in the engine's loop on
-                128-token prompts: 2 untimed, 10 timed (the median), 3 sync-counted, 3 under
-                torch.profiler (4. kernels: the 15 with the most time, all kernels' and the CPU side's
-                time per step), each against its floor:
-                  floor bytes (AR)   = W_target + KV(target)
-                  floor bytes (full) = W_target + KV(target) + W_drafter + W_head + KV(drafter)
-                W_target: every target weight but the embedding table; W_drafter: the drafter's own;
-                W_head: the lm_head, read again by the draft; KV = 2 x layers x kv_heads x head_dim x
-                bytes per element x B x S, S the positions attention reads (compiled: all; eager: the
-                first step's span); floor seconds = floor bytes / bandwidth; ratio = floor / measured.
-Planned seconds: bandwidth 5, cold 210, warm 90, steps 160, slack 15 (480), each part its plan's share of
-the time left. A child is killed at its limit, keeping what it wrote; a step starts only if its graphs,
-at the cold seconds per graph seen (none: 21 s per 8 layers, as on the H200), end before the deadline.
+The first hour (seconds to the first token, steps against the copy bandwidth's floor) is tools/first_hour.py.
 
 Exit status: 0 when every test passed and every part ran (cut short for time is not failed), 1
 otherwise, 2 for a usage error (no CUDA device, bad arguments).
@@ -58,7 +38,6 @@ import math
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,8 +53,6 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
-from torch.autograd import DeviceType  # noqa: E402
-from torch.profiler import ProfilerActivity  # noqa: E402
 
 from minidcut import CostTable, Engine, Policy, build_policy, cli, runtime  # noqa: E402
 from minidcut.api import resolve_device  # noqa: E402
@@ -109,20 +86,6 @@ MODES = {
     "tiny": dict(batch_sizes=[1, 2], layers=None, context_len=16, prompt_len=8, new_tokens=8,
                  profile_repeats=2, profile_warmup=1, bench_repeats=1, tests_s=120, models_s=120),
 }
-# --first-hour: the dense model, all its layers; steps: per (batch size, kind) untimed, timed,
-# sync-counted and profiled steps, in that order.
-FIRST_HOUR = {
-    "real": dict(batch_sizes=[1, 16], layers=None, first_token_batch=32, first_token_prompt_len=64,
-                 first_token_new_tokens=64, prompt_len=128, steps=dict(warm=2, timed=10, synced=3, profiled=3),
-                 copy_bytes=2 ** 30, plan_s=dict(bandwidth=5, cold=210, warm=90, steps=160, slack=15)),
-    "tiny": dict(batch_sizes=[1, 2], layers=None, first_token_batch=4, first_token_prompt_len=8,
-                 first_token_new_tokens=8, prompt_len=8, steps=dict(warm=2, timed=5, synced=2, profiled=2),
-                 copy_bytes=2 ** 24, plan_s=dict(bandwidth=5, cold=40, warm=40, steps=30, slack=5)),
-}
-TOP_KERNELS = 15
-GRAPH_SECONDS_PER_LAYER = 21 / 8  # a cold graph's seconds per target layer where none was seen yet: ~21 s
-#                                  a graph at 8 layers on the H200 runs (docs/bench, gpu_check_h200_*)
-STEP_KINDS = {"ar": Policy.ar, "full": Policy.full}  # an AR step; a draft and every draft verified
 
 
 def parse_args(argv=None):
@@ -130,48 +93,35 @@ def parse_args(argv=None):
     p.add_argument("--out", default="gpu_report.json", help="the JSON report (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="batch size 16 only, shorter runs (at most ~13 minutes)")
     p.add_argument("--batch-sizes", default=None,
-                   help="comma-separated (default: 1,16,64; --quick: 16; --first-hour: 1,16)")
+                   help="comma-separated (default: 1,16,64; --quick: 16)")
     p.add_argument("--layers", default=None, help="target layers: a number, or 'full' for 36 (dense) and 48 "
-                   "(moe) (default: 8; --first-hour: all)")
+                   "(moe) (default: 8)")
     p.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe (default: %(default)s)")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m cuda")
-    p.add_argument("--first-hour", action="store_true",
-                   help="only this: the dense model at full depth, seconds to the first token at B = 32 with an "
-                        "empty and a warm compile cache, AR and full-depth steps at B = 1, 16 against the copy "
-                        "bandwidth, their kernels and host syncs (at most ~8 minutes)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="deadline of the whole run in seconds (default: the mode's plan, 1760 / 760 / 480)")
+                   help="deadline of the whole run in seconds (default: the mode's plan, 1760 / 760)")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: only with --tiny
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # this tool's CPU test: toy models, eager
-    p.add_argument("--first-token-child", action="store_true", help=argparse.SUPPRESS)  # first_token_run's child
-    p.add_argument("--started-at", type=float, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def check_args(args) -> dict:
-    """The run's settings from the command line; one line (exit status 2) for a machine without CUDA or a
-    bad argument, before any work."""
+def checked_settings(args, tool: str, plan: dict, models: str) -> dict:
+    """A mode's `plan` with the run's device, dtype, models (comma-separated) and the command line's batch
+    sizes and layers; one line (exit status 2) for a machine without CUDA or a bad argument (--budget-s
+    and --out too), before any work. `tool` names the script."""
     if args.tiny != (args.device == "cpu"):
         raise cli.UserError("--tiny is the CPU self-test of this tool: use it with --device cpu" if args.tiny
-                            else "tools/gpu_check.py checks a CUDA GPU; --device cpu is only for --tiny")
+                            else f"{tool} checks a CUDA GPU; --device cpu is only for --tiny")
     if not args.tiny and not torch.cuda.is_available():
-        raise cli.UserError(f"no CUDA device: tools/gpu_check.py needs a GPU (torch {torch.__version__}, "
+        raise cli.UserError(f"no CUDA device: {tool} needs a GPU (torch {torch.__version__}, "
                             f"CUDA build {torch.version.cuda or 'none'})")
     resolve_device(args.device)  # a ValueError (one line) for one that is neither cpu nor cuda[:N]
-    if args.first_hour and args.quick:
-        raise cli.UserError("--first-hour is a run of its own: leave out --quick")
-    if args.first_token_child and (not args.first_hour or args.started_at is None):
-        raise cli.UserError("--first-token-child is started by --first-hour, with --started-at")
-    mode = "first-hour" if args.first_hour else "tiny" if args.tiny else "quick" if args.quick else "full"
-    s = dict(FIRST_HOUR["tiny" if args.tiny else "real"] if args.first_hour else MODES[mode], mode=mode,
-             tiny=args.tiny, device=args.device, compile=not args.tiny, dtype="float32" if args.tiny else "bfloat16",
-             run_tests=not (args.skip_tests or args.first_hour))
+    s = dict(plan, tiny=args.tiny, device=args.device, compile=not args.tiny,
+             dtype="float32" if args.tiny else "bfloat16", models=[m.strip() for m in models.split(",") if m.strip()])
     if args.batch_sizes:
         s["batch_sizes"] = cli.parse_batch_sizes(args.batch_sizes)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    if not models or any(m not in REAL for m in models):
-        raise cli.UserError(f"--models {args.models!r}: choose from {', '.join(REAL)}")
-    s["models"] = ["dense"] if args.first_hour else models
+    if not s["models"] or any(m not in REAL for m in s["models"]):
+        raise cli.UserError(f"--models {models!r}: choose from {', '.join(REAL)}")
     if args.layers is not None:
         if args.tiny or not (args.layers == "full" or args.layers.isdigit() and int(args.layers) >= 1):
             raise cli.UserError("--layers does not apply to --tiny" if args.tiny else
@@ -182,10 +132,16 @@ def check_args(args) -> dict:
             raise cli.UserError(f"--layers {s['layers']}: the models have {depth} layers or fewer")
     if args.budget_s is not None and args.budget_s <= 0:
         raise cli.UserError(f"--budget-s must be > 0, got {args.budget_s}")
-    s["budget_s"] = args.budget_s or (sum(s["plan_s"].values()) if args.first_hour else
-                                      s["tests_s"] * s["run_tests"] + s["models_s"] * len(models) / 2 + 20)
     cli.check_writable(args.out, "--out")
     return s
+
+
+def check_args(args) -> dict:
+    """The run's settings from the command line (checked_settings), the deadline the mode's plan's."""
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    s = checked_settings(args, "tools/gpu_check.py", dict(MODES[mode], mode=mode, run_tests=not args.skip_tests),
+                         args.models)
+    return dict(s, budget_s=args.budget_s or s["tests_s"] * s["run_tests"] + s["models_s"] * len(s["models"]) / 2 + 20)
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -459,7 +415,7 @@ def run_model(kind: str, s: dict, deadline: float, log, saved=lambda out: None) 
     return out
 
 
-# ---- child processes: the tests, the first token --------------------------------------------------
+# ---- the tests, in a child process ----------------------------------------------------------------
 
 def run_killable(cmd: list[str], timeout_s: float, env: dict | None = None, tail: int = 4000) -> dict:
     """Run cmd from the repo root in its own process group, killed whole at timeout_s: its return code,
@@ -502,262 +458,6 @@ def run_cuda_tests(timeout_s: float, log=lambda msg: None) -> dict:
     return dict(counts, command="python " + " ".join(cmd[1:]), **ran)
 
 
-class CompileLog:
-    """An engine's on_compile: the graphs it compiled, each with its seconds from Graphs.get announcing
-    it (its first call then compiles it) to the next announcement or close(): compiling, recording its
-    CUDA graph and warmup's runs of it. on_change() after each announcement."""
-
-    def __init__(self, on_change=lambda: None):
-        self.graphs: list[dict] = []  # {"graph": message, "seconds": None while it is the latest}
-        self.on_change, self.started = on_change, None
-
-    def __call__(self, message: str) -> None:
-        self.close()
-        self.graphs.append({"graph": message, "seconds": None})
-        self.started = time.perf_counter()
-        self.on_change()
-
-    def close(self) -> None:
-        """The latest graph is done."""
-        if self.started is not None:
-            self.graphs[-1]["seconds"] = time.perf_counter() - self.started
-            self.started = None
-
-
-FIRST_TOKEN = dict.fromkeys(("compile_cache", "graphs_after_warmup", "cli_graphs", "compile_seconds", "first_step",
-                             "measure_row_seconds", "first_token_seconds", "cost_row"))  # None: not reached
-
-
-def first_token_child(s: dict, out, started_at: float) -> int:
-    """The --first-token-child process of part 2 (the module docstring): a new user's first dcut run at
-    B = first_token_batch, timed from started_at (the parent's clock when it started this process) to the
-    first committed token. Writes its record to `out` after each phase and each graph announced, so a
-    child killed at its limit leaves what it got."""
-    B, new_tokens = s["first_token_batch"], s["first_token_new_tokens"]
-    rec = dict(FIRST_TOKEN, batch_size=B, phases={}, graphs=[], compile_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
-    t0 = None
-
-    def phase(name: str, seconds: float | None = None) -> None:
-        """The phase that ends now, with its seconds since the last one ended; the record so far written."""
-        nonlocal t0
-        rec["phases"][name] = seconds if seconds is not None else time.perf_counter() - t0
-        write_report(rec, out)
-        t0 = time.perf_counter()
-
-    phase("start", time.time() - started_at)  # the interpreter, imports, arguments, runtime.setup
-    tcfg = target_config("dense", s["layers"], s["tiny"])
-    target, drafter = build_pair(tcfg, s)
-    phase("build")
-    prompts = random_prompts(B, s["first_token_prompt_len"], tcfg["vocab_size"])
-    log = CompileLog(lambda: write_report(rec, out))
-    rec["graphs"] = log.graphs
-    policy = build_policy("dcut", table=CostTable([], list(DEFAULT_GRID), []))  # load_table's without a file
-    engine = Engine(target, drafter, policy, batch_size=B, compile=s["compile"], on_compile=log, max_seq=cli.max_seq(
-        prompts, new_tokens, drafter.block_size, tcfg["max_position_embeddings"], s["compile"]))
-    rec["cli_graphs"] = len(engine.reachable(B))  # generate's warmup: every bucket up to B
-    if engine.compile:
-        engine.warmup(B, min_batch=B)
-    log.close()
-    runtime.freeze_heap()
-    warm, rec["compile_seconds"] = engine.graph_use()[0], compile_seconds()
-    phase("warmup")  # the engine (its caches) and Engine.warmup
-    _, stats, steps = engine.start(prompts, new_tokens)
-    first = next(steps)  # the prefill, the cost row of bucket B measured on the live rows, the step
-    rec["first_token_seconds"] = time.time() - started_at
-    phase("first_step")
-    log.close()
-    row = engine.policy.costs(B)
-    rec.update(measure_row_seconds=stats.seconds["profile"], compile_seconds=compile_seconds(),
-               graphs_after_warmup=engine.graph_use()[0] - warm,
-               first_step={"bucket": first.bucket, "n_live": first.n_live, "drafted": first.drafted, "rho": first.rho},
-               cost_row=[None if math.isinf(x) else x for x in row] if row is not None else None)
-    write_report(rec, out)
-    return 0
-
-
-def first_token_run(s: dict, cache: Path, record_file: Path, limit_s: float) -> dict:
-    """One child process of part 2 (first_token_child) with its compile cache under `cache` (empty for
-    the cold run, the cold run's for the warm one), killed at limit_s: its record as it last wrote it and
-    run_killable's figures."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
-    cmd = [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--first-hour", "--first-token-child",
-           "--out", str(record_file), "--device", s["device"]] + (["--tiny"] if s["tiny"] else []) \
-        + (["--layers", str(s["layers"])] if s["layers"] is not None else [])
-    ran = run_killable(cmd + ["--started-at", repr(time.time())], limit_s, env, tail=3000)
-    written = json.loads(record_file.read_text()) if record_file.is_file() else {}
-    return {**FIRST_TOKEN, "batch_size": s["first_token_batch"], "phases": {}, "graphs": [], **written, **ran}
-
-
-# ---- the first hour: bandwidth, steps against their floor, kernels ---------------------------------
-
-def copy_bandwidth(device, nbytes: int, copies: int = 5, rounds: int = 5) -> dict:
-    """Part 1: bytes read + written per second by dst.copy_(src) of nbytes each on the device, the best
-    of `rounds` rounds of `copies` copies."""
-    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)  # [nbytes]
-    dst, runs = src.clone(), []  # allocated and touched before timing
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(copies):
-            dst.copy_(src)
-        sync()
-        runs.append((time.perf_counter() - t0) / copies)
-    del src, dst
-    release_memory()
-    return {"bytes": nbytes, "seconds_per_copy": min(runs), "seconds_runs": runs,
-            "bytes_per_second": 2 * nbytes / min(runs)}
-
-
-def step_floor(target, drafter, B: int, positions: int, bandwidth: float) -> dict:
-    """The bytes a step at B rows must read at least (the module docstring's formulas: without a drafter
-    an AR step's, with one a full-depth step's) and their seconds at `bandwidth` bytes/s; positions: the
-    cache positions the step's attention reads."""
-    def nbytes(tensors) -> int:
-        return sum(x.numel() * x.element_size() for x in tensors)
-
-    def kv(cfg, element_size: int) -> int:  # K and V of every layer, at B rows and `positions` positions
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size * B * positions
-
-    emb = target.model.embed_tokens.weight
-    tied = emb.data_ptr() == target.lm_head.weight.data_ptr()
-    parts = {"target_weights": nbytes(target.parameters()) - (0 if tied else nbytes([emb])),
-             "target_kv": kv(target.cfg, emb.element_size())}
-    if drafter is not None:
-        parts.update(drafter_weights=nbytes(drafter.parameters()), drafter_head=nbytes([drafter.head]),
-                     drafter_kv=kv(drafter.cfg.layers, drafter.norm.weight.element_size()))
-    total = sum(parts.values())
-    return {"bytes": parts, "total_bytes": total, "positions": positions, "seconds": total / bandwidth}
-
-
-def profile_steps(step, n: int, device, top: int = TOP_KERNELS) -> dict:
-    """torch.profiler (CPU activity, and CUDA's on a GPU) around n calls of step(), events grouped by
-    name, per step: the `top` kernels by time (microseconds in all and per step, runs per step, share of
-    the step's wall time), all kernels' time and share, and the CPU side's time (the self time of every
-    CPU-side event). On a CPU the kernels are the ops (their self CPU time)."""
-    on_device = torch.device(device).type == "cuda"
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_device) as prof:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        step_us = (time.perf_counter() - t0) * 1e6 / n
-    us = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
-    kind, events = DeviceType.CUDA if on_device else DeviceType.CPU, prof.key_averages()
-    kernels = sorted(((e.key, us(e), e.count) for e in events
-                      if e.device_type == kind and not e.is_user_annotation and us(e) > 0), key=lambda k: -k[1])
-    total = sum(t for _, t, _ in kernels)
-    return {"activity": "cuda" if on_device else "cpu", "steps": n, "step_us": step_us, "kernel_us_per_step": total / n,
-            "kernel_share": total / n / step_us, "distinct_kernels": len(kernels),
-            "cpu_us_per_step": sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU) / n,
-            "kernels": [{"name": name[:200], "us": t, "us_per_step": t / n, "count_per_step": count / n,
-                         "share": t / n / step_us} for name, t, count in kernels[:top]]}
-
-
-def step_record(engine, kind: str, B: int, prompts: list[list[int]], s: dict, max_new: int, bandwidth: float,
-                compile_log: CompileLog) -> dict:
-    """One batch size and kind of part 3: bucket B's graphs warmed up (compile_log: the engine's
-    on_compile), then the engine's own loop (Engine.start) on these prompts, s['steps'] of each: untimed,
-    timed one by one (the median), under count_syncs, under torch.profiler; and the floor of such a step.
-    A step ends with its tokens copied to the host: its wall time covers its device work."""
-    counts, seconds, records = s["steps"], [], []
-    with timed({"batch_size": B, "kind": kind, "graphs": compile_log.graphs}, "warmup_") as rec:
-        if engine.compile:
-            engine.warmup(B, min_batch=B)
-        compile_log.close()
-    warm, steps = engine.graph_use()[0], engine.start(prompts, max_new)[2]
-
-    def step():
-        records.append(next(steps))
-
-    for _ in range(counts["warm"]):
-        step()
-    for _ in range(counts["timed"]):
-        t0 = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - t0)
-    with count_syncs(engine.device) as syncs:
-        for _ in range(counts["synced"]):
-            step()
-    try:
-        profile = profile_steps(step, counts["profiled"], engine.device)
-    except Exception as e:  # noqa: BLE001 (the profiler failing costs the kernels, not the timings)
-        profile = {"error": error_record(e), "kernels": []}
-    floor = step_floor(engine.target, engine.drafter, B, engine.positions_read(s["prompt_len"] + 1), bandwidth)
-    return dict(rec, seconds_per_step=statistics.median(seconds), seconds_runs=seconds, profile=profile,
-                syncs_per_step=len(syncs) / counts["synced"] if syncs is not None else None,
-                steps=len(records), drafting_steps=sum(r.drafted for r in records),
-                buckets=sorted({r.bucket for r in records}), live_rows=sorted({r.n_live for r in records}),
-                graphs_after_warmup=engine.graph_use()[0] - warm, floor=floor,
-                floor_ratio=floor["seconds"] / statistics.median(seconds))
-
-
-def first_hour_steps(s: dict, bandwidth: float, deadline: float, log, graph_seconds: list[float],
-                     saved=lambda records, info: None) -> tuple[list[dict], dict]:
-    """Parts 3 and 4: an AR and a full-depth step at each batch size, each kind in an engine of its own
-    (bucket B only), against its floor at `bandwidth` bytes/s. One starts only if its graphs end before
-    the deadline at the mean of graph_seconds (cold seconds per graph seen so far, this part's added;
-    none: GRAPH_SECONDS_PER_LAYER per target layer). saved(records, info) after each."""
-    tcfg = target_config("dense", s["layers"], s["tiny"])
-    target, drafter = build_pair(tcfg, s)
-    max_new = drafter.block_size * sum(s["steps"].values()) + 1  # more than the steps can commit: rows stay live
-    max_seq = s["prompt_len"] + max_new + drafter.block_size + 1
-    prompts = random_prompts(max(s["batch_sizes"]), s["prompt_len"], tcfg["vocab_size"])
-    seen, records, info = list(graph_seconds), [], {"max_seq": max_seq, "skipped": [], "errors": {}}
-    for B, (kind, policy) in ((B, k) for B in s["batch_sizes"] for k in STEP_KINDS.items()):
-        try:
-            compile_log = CompileLog()
-            engine = Engine(target, drafter, policy(), batch_size=B, max_seq=max_seq, eos_ids=[],
-                            compile=s["compile"], on_compile=compile_log)
-            per_graph = 0.0 if not engine.compile else statistics.mean(seen) if seen else \
-                GRAPH_SECONDS_PER_LAYER * tcfg["num_hidden_layers"]
-            if time.perf_counter() + per_graph * len(engine.reachable(B, B)) > deadline:
-                info["skipped"].append(f"{kind} B={B}")
-                continue
-            log(f"steps: {kind} B={B}")
-            records.append(step_record(engine, kind, B, prompts[:B], s, max_new, bandwidth, compile_log))
-            seen += [g["seconds"] for g in records[-1]["graphs"]]
-        except Exception as e:  # noqa: BLE001 (reported, the next one runs)
-            info["errors"][f"{kind} B={B}"] = error_record(e)
-        saved(records, info)
-    return records, info
-
-
-def run_first_hour(s: dict, deadline: float, log, saved=lambda out: None) -> dict:
-    """The first hour's parts in order (the module docstring), each given its plan's share of the time
-    left (the slack kept back); saved(the dict so far) after each part and each step measured."""
-    plan, parts = s["plan_s"], ["bandwidth", "cold", "warm", "steps"]
-    out = {"plan_seconds": plan, "bandwidth": None, "first_token": {"cold": None, "warm": None}, "steps": [],
-           "steps_info": None, "error": None}
-
-    def limit(part: str) -> float:
-        rest = parts[parts.index(part):]
-        return (deadline - time.perf_counter()) * plan[part] / (sum(plan[p] for p in rest) + plan["slack"])
-
-    def on_steps(records, info):
-        out.update(steps=records, steps_info=info)
-        saved(out)
-
-    try:
-        out["bandwidth"] = copy_bandwidth(s["device"], s["copy_bytes"])
-        saved(out)
-        with tempfile.TemporaryDirectory(prefix="gpu_check_first_hour_") as d:
-            for run in ("cold", "warm"):  # the warm run starts from the cache the cold one left
-                log(f"first token at B={s['first_token_batch']}, {run} compile cache (at most {limit(run):.0f} s)")
-                out["first_token"][run] = first_token_run(s, Path(d) / "cache", Path(d) / f"{run}.json", limit(run))
-                saved(out)
-        cold = [g["seconds"] for g in out["first_token"]["cold"]["graphs"] if g["seconds"] is not None]
-        log(f"steps at B = {', '.join(map(str, s['batch_sizes']))} (at most {limit('steps'):.0f} s)")
-        on_steps(*first_hour_steps(s, out["bandwidth"]["bytes_per_second"], time.perf_counter() + limit("steps"),
-                                   log, cold, on_steps))
-    except Exception as e:  # noqa: BLE001 (e.g. out of memory while building: the report still gets written)
-        out["error"] = error_record(e)
-    try:
-        release_memory()
-    except Exception as e:  # noqa: BLE001
-        out["error"] = out["error"] or error_record(e)
-    return out
-
-
 # ---- the report -----------------------------------------------------------------------------------
 
 def environment(device) -> dict:
@@ -784,43 +484,16 @@ NOTES = ["Random weights: near-zero acceptance by construction; the timings, the
          "so drafting weighs more against verification than it would at full depth."]
 
 
-def assemble_report(settings: dict, env: dict, tests: dict | None, models: dict, wall: dict, argv: list[str],
-                    first_hour: dict | None = None) -> dict:
+def assemble_report(settings: dict, env: dict, tests: dict | None, models: dict, wall: dict, argv: list[str]) -> dict:
     """The JSON report: settings, environment, the test summary, per model its cost table, bench records
-    and summary, and wall seconds per part; with --first-hour, that part's results under first_hour."""
-    report = {"tool": "tools/gpu_check.py", "argv": argv, "mode": settings["mode"], "settings": settings,
-              "environment": env, "tests": tests, "models": models, "wall_seconds": wall, "notes": NOTES}
-    return report if first_hour is None else dict(report, first_hour=first_hour)
+    and summary, and wall seconds per part."""
+    return {"tool": "tools/gpu_check.py", "argv": argv, "mode": settings["mode"], "settings": settings,
+            "environment": env, "tests": tests, "models": models, "wall_seconds": wall, "notes": NOTES}
 
 
 def errors(what: str, found: dict) -> list[str]:
     """One summary line per error record in `found` (by name: what it was doing)."""
     return [f"  {what}{name} error {e['type']}: {e['message'][:160]}" for name, e in found.items() if e]
-
-
-def first_hour_lines(fh: dict) -> list[str]:
-    """The summary's lines for the first hour: bandwidth, first tokens, steps against their floor."""
-    lines, bw, info = errors("first hour", {"": fh["error"]}), fh["bandwidth"], fh["steps_info"] or {}
-    if bw:
-        lines.append(f"copy bandwidth {bw['bytes_per_second'] / 1e9:.1f} GB/s (copies of {bw['bytes'] >> 20} MiB)")
-    for run, r in ((run, r) for run, r in fh["first_token"].items() if r is not None):
-        done = [g["seconds"] for g in r["graphs"] if g["seconds"] is not None]
-        ended = "killed at its limit" if r["timed_out"] else f"exit status {r['returncode']}"
-        got = f"{r['first_token_seconds']:.1f} s" if r["first_token_seconds"] is not None else \
-            f"none after {r['seconds']:.0f} s ({ended})"
-        lines += [f"first token at B={r['batch_size']}, {run} compile cache: {got}",
-                  "  " + ", ".join(f"{k} {v:.1f} s" for k, v in r["phases"].items())
-                  + (f"; {len(done)} graphs, {statistics.mean(done):.1f} s each" if done else "; no graph compiled")
-                  + f" (generate's warmup: {r['cli_graphs']} graphs)"]
-    for rec in fh["steps"]:
-        f, kernels, where = rec["floor"], rec["profile"]["kernels"], f"B={rec['batch_size']:<3} {rec['kind']:<4}"
-        lines += errors(f"{where} profiler", {"": rec["profile"].get("error")})
-        lines.append(f"  {where} {rec['seconds_per_step'] * 1e3:8.2f} ms/step, floor {f['seconds'] * 1e3:.2f} ms "
-                     f"({f['total_bytes'] / 1e9:.2f} GB): {100 * rec['floor_ratio']:.0f}% of the limit"
-                     + (f", host syncs/step {rec['syncs_per_step']:.2f}" if rec["syncs_per_step"] is not None else "")
-                     + (f", top kernel {100 * kernels[0]['share']:.0f}%: {kernels[0]['name'][:60]}" if kernels else ""))
-    lines += errors("steps ", info.get("errors", {}))
-    return lines + ([f"  skipped for time: {', '.join(info['skipped'])}"] if info.get("skipped") else [])
 
 
 def model_lines(kind: str, m: dict) -> list[str]:
@@ -844,12 +517,10 @@ def model_lines(kind: str, m: dict) -> list[str]:
 
 
 def summary_lines(report: dict) -> list[str]:
-    """A few lines for the terminal: the machine, the tests or the first hour, each model, wall seconds."""
+    """A few lines for the terminal: the machine, the tests, each model, wall seconds."""
     env, t = report["environment"], report["tests"]
     lines = [f"{env['device']} | torch {env['torch']} | CUDA {env['cuda']} | mode {report['mode']}"]
-    if "first_hour" in report:
-        lines += first_hour_lines(report["first_hour"])
-    elif t is None:
+    if t is None:
         lines.append("tests: not run")
     else:
         lines.append(f"tests: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
@@ -867,15 +538,11 @@ def write_report(report: dict, path) -> Path:
 
 def failed(report: dict) -> bool:
     """Whether a test failed or a part of the run raised (a part cut short for time did not fail)."""
-    t, fh = report["tests"], report.get("first_hour") or {}
+    t = report["tests"]
     if t is not None and (t["failed"] or t["errors"] or t["timed_out"] or t["returncode"] not in (0, 5)):
         return True
-    if any(m["error"] or (m["profile"] or {}).get("error") or (m["bench_info"] or {}).get("errors")
-           for m in report["models"].values()):
-        return True
-    crashed = [r for r in fh.get("first_token", {}).values() if r and r["returncode"] and not r["timed_out"]]
-    profiler = [r for r in fh.get("steps", []) if "error" in r["profile"]]
-    return bool(fh.get("error") or crashed or profiler or (fh.get("steps_info") or {}).get("errors"))
+    return any(m["error"] or (m["profile"] or {}).get("error") or (m["bench_info"] or {}).get("errors")
+               for m in report["models"].values())
 
 
 def run(args, console: Console) -> int:
@@ -884,9 +551,7 @@ def run(args, console: Console) -> int:
     deadline = start + s["budget_s"]
     runtime.setup()
     torch.manual_seed(0)
-    if args.first_token_child:
-        return first_token_child(s, args.out, args.started_at)
-    env, wall, parts = environment(s["device"]), {}, {"tests": None, "models": {}, "first_hour": None}
+    env, wall, parts = environment(s["device"]), {}, {"tests": None, "models": {}}
 
     def say(line: str) -> None:
         console.print(line, markup=False, highlight=False)
@@ -894,17 +559,13 @@ def run(args, console: Console) -> int:
     def save(**done):  # after every part, so a run killed from outside keeps what it finished
         parts.update(done)
         wall["total"] = time.perf_counter() - start
-        report = assemble_report(s, env, parts["tests"], parts["models"], wall, args.argv, parts["first_hour"])
+        report = assemble_report(s, env, parts["tests"], parts["models"], wall, args.argv)
         return report, write_report(report, args.out)
 
-    if s["mode"] == "first-hour":  # a run of its own: no tests, no models part
-        say(f"the first hour: dense, {s['layers'] or 'all'} layers (until {s['budget_s']:.0f} s from now)")
-        save(first_hour=run_first_hour(s, deadline, lambda msg: say(f"  {msg}"), lambda out: save(first_hour=out)))
-        wall["first_hour"] = time.perf_counter() - start
     if s["run_tests"]:
         save(tests=run_cuda_tests(min(s["tests_s"], deadline - time.perf_counter()), say))
         wall["tests"] = parts["tests"]["seconds"]
-    for i, kind in enumerate(s["models"] if s["mode"] != "first-hour" else []):
+    for i, kind in enumerate(s["models"]):
         t0 = time.perf_counter()
         share = (deadline - t0) / (len(s["models"]) - i)  # what is left, split between the models left
         say(f"{kind}: building, profiling, benching (until {share:.0f} s from now)")
@@ -918,10 +579,11 @@ def run(args, console: Console) -> int:
     return 1 if failed(report) else 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, parse=parse_args, body=run) -> int:
+    """This tool's entry point, and tools/first_hour.py's with its parse_args and run."""
+    args = parse(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    return cli.run_reporting_errors(run, args, Console())
+    return cli.run_reporting_errors(body, args, Console())
 
 
 if __name__ == "__main__":
