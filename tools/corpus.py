@@ -19,11 +19,16 @@ import argparse
 import hashlib
 import json
 import re
+import sys
 import sysconfig
 import textwrap
 from pathlib import Path
 
-import torch
+# Run as a script: import from the repo root, and never let tools/profile.py shadow the stdlib module.
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import torch  # noqa: E402
 
 SPLITS = ("train", "heldout")
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "site-packages"}

@@ -20,6 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a script: import from the repo root, and never let tools/profile.py shadow the stdlib module.
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import torch
 import torch.nn.functional as F
 import transformers
@@ -35,6 +39,7 @@ from tools.train_tokenizer import train_tokenizer
 
 
 def parse_args(argv=None):
+    # Options alike in shape to train_drafter.py's (duplicates pairs them): two programs, kept apart.
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", choices=["llama", "qwen3_moe"], required=True)
     p.add_argument("--out", required=True, help="output model directory")

@@ -11,6 +11,12 @@ transformers' AutoTokenizer.from_pretrained(dir) loads it.
 """
 
 import argparse
+import sys
+from pathlib import Path
+
+# Run as a script: import from the repo root, and never let tools/profile.py shadow the stdlib module.
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
