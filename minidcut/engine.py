@@ -168,7 +168,8 @@ class Engine:
                           predicted=ran.draft.predicted if plan.draft else 0.0,
                           accepted=int(ran.n_commit[rows].sum()) - len(rows), kept=int(ran.kept[rows].sum()),
                           seconds=clock.step_seconds(ran.seconds), catchup=ran.seconds.catchup,
-                          caught_up=ran.caught_up, redraft=ran.seconds.redraft, usable=plan.usable, prompt_context=prompt_context, admitted=admitted)
+                          caught_up=ran.caught_up, redraft=ran.seconds.redraft, usable=plan.usable,
+                          prompt_context=prompt_context, admitted=admitted)
 
     def observe(self, rec: StepRecord, ran: Ran, rows: list[int], stats: Stats, clock: StepClock) -> None:
         """The step to the stats (with the gain scale its draft was chosen under) and to the policy, and
