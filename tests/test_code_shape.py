@@ -59,8 +59,9 @@ def test_tools_are_no_larger_than_the_package():
 
 
 def test_every_tool_run_as_a_script_imports_from_the_repo_root():
-    """`python tools/X.py` puts tools/ first on sys.path, where tools/profile.py shadows the stdlib's
-    profile module (torch._dynamo imports cProfile): every script replaces that entry first."""
+    """A tool run as a script (python tools/NAME.py) puts tools/ first on sys.path, where
+    tools/profile.py shadows the stdlib's profile module (torch._dynamo imports cProfile): every script
+    replaces that entry first."""
     fix = "sys.path[0] = str("  # the repo root, named one way or another
     scripts = [p for p in sorted((ROOT / "tools").glob("*.py")) if 'if __name__ == "__main__"' in p.read_text()]
     assert len(scripts) > 10 and [p.name for p in scripts if fix not in p.read_text()] == []
