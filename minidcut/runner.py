@@ -57,8 +57,8 @@ class Ran:
     draft: Draft | None  # the draft verified (None: a step that did not draft)
     K: int  # the verify graph's budget (0: nothing kept)
     ahead: Ahead | None  # the next step's draft, made after verifying (None: not made)
-    caught_up: int = 0  # positions whose drafter context the step's catch-up wrote first
-    seconds: RunSeconds = dataclasses.field(default_factory=RunSeconds)
+    caught_up: int  # positions whose drafter context the step's catch-up wrote first
+    seconds: RunSeconds
 
 
 class Runner:
@@ -152,22 +152,21 @@ class Runner:
         a compaction `moved`, the positions to catch up), the draft the previous step made ahead if still
         valid or a fresh one (its pick copied to the host), verification of rho*'s budget, and the next
         step's block drafted ahead where the plan says so. The Ran holds its seconds by part."""
-        cold = self.graphs.cold_calls
+        cold, reach = self.graphs.cold_calls, batch.reach
         draft = batch.take_ahead(b, use=plan.draft)  # drafted by the previous step, if still valid
         sent = self.send(batch, b, plan if plan.draft else None, moved)
         t0 = time.perf_counter()
         fresh = plan.draft and draft is None
         if fresh:  # rows changed hands: draft + select + rho* now
-            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], sent.draft_inputs,
-                                   self.draft_span(batch.reach))
+            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], sent.draft_inputs, self.draft_span(reach))
         K = self.graphs.budgets(b)[draft.rho_index] if draft is not None else 0
         t1 = time.perf_counter()
-        ran, ahead = self.verify(batch, b, draft, K, ahead=plan.draft and plan.ahead)
+        (commit, n_commit, kept), made, ahead = self.verify(batch, b, draft, K, reach, ahead=plan.draft and plan.ahead)
         end = time.perf_counter()
         cold = self.graphs.cold_calls > cold  # compiled on first use: not a step's seconds
         seconds = RunSeconds(sent.catchup_seconds, t1 - t0, end - t1, ahead,
                              redraft=t1 - t0 if fresh and plan.ahead and not cold else 0.0, cold=cold, end=end)
-        return dataclasses.replace(ran, caught_up=sent.caught_up, seconds=seconds)
+        return Ran(commit, n_commit, kept, draft, K, made, sent.caught_up, seconds)
 
     # ---- steps that advance nothing (the profiler) -----------------------------------------------
 
@@ -220,12 +219,11 @@ class Runner:
         out = self.graphs.get("draft", anchor.shape[0])(anchor, anchor_pos, inputs, span)
         return Draft.from_graph(out, out[4].cpu())  # [rho index, its gain]: the host sync of this draft
 
-    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, ahead: bool) -> tuple[Ran, float]:
-        """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft) and
-        move the rows' anchors on; ahead: then draft the next step's block (the module docstring).
-        Returns the step as Ran, and the seconds of the draft made ahead (0 without one: drafting's, not
-        verification's)."""
-        reach = batch.reach
+    def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, reach: int, ahead: bool):
+        """Run the verify graph of bucket b with K kept drafts at most (an AR step without a draft; anchors
+        before `reach`) and move the rows' anchors on; ahead: then draft the next step's block (the module
+        docstring). Returns, on the host, (commit [b, block], n_commit [b], kept [b]), the draft made
+        ahead (Ahead, or None) and its seconds (0 without one: drafting's, not verification's)."""
         keep_len = draft.keep_lens[draft.rho_index] if draft is not None else None
         # A step that drafted writes the drafter's context K/V (the next one will likely draft too);
         # a step that did not only holds the target's taps (caught up before the next draft).
@@ -241,15 +239,15 @@ class Runner:
             inputs = self.staging.fixed_inputs(DraftInputs.size(b, len(self.graphs.policy.rhos)))
             limit = DraftInputs.limit(inputs, b)
             limit.copy_((limit - n_commit).clamp(min=0))  # in place, on the device
-            moved = longest_row(self.block, K)  # an anchor moves on at most this far
+            advance = longest_row(self.block, K)  # an anchor moves on at most this far
             out = self.graphs.get("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs,
-                                              self.draft_span(reach + moved))
+                                              self.draft_span(reach + advance))
             host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
             drafting.stop()
         host = host.cpu()  # the step's one copy to the host
         made = Ahead(batch.version, b, Draft.from_graph(out, host[-2:])) if ahead else None
         host = host[:-2].long().view(b, -1) if ahead else host
-        return Ran(host[:, :-2], host[:, -2], host[:, -1], draft, K, made), drafting.seconds
+        return (host[:, :-2], host[:, -2], host[:, -1]), made, drafting.seconds
 
     # ---- admission -------------------------------------------------------------------------------
 
