@@ -43,9 +43,15 @@ class Request:
         return len(self.prompt) + len(self.output) - 1
 
     @property
+    def last_pos(self) -> int:
+        """Position of the last token it may commit (its prompt and max_new_tokens)."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+    @property
     def limit(self) -> int:
-        """Drafts it can still use: its remaining tokens minus the bonus."""
-        return self.max_new_tokens - len(self.output) - 1
+        """Drafts it can still use: its remaining tokens minus the bonus (the draft graph computes the
+        same from the device's anchor position and last position)."""
+        return self.last_pos - self.anchor_pos - 1
 
 
 @dataclass
@@ -65,14 +71,15 @@ class Batch:
 
     Per row, the request on the host owns its tokens, and so its position, the drafts it can still use
     and how far its drafter context is written. The device tensors here hold what the graphs read (the
-    anchor, its position, the sampling key): written only by the prefill and by the verification that
-    commits the same tokens, moved with their rows, never read back. A draft made ahead lowers each
-    row's limit on the device by what it committed (the host's limit after the commit), and is used
-    only while no row changed hands (take_ahead)."""
+    anchor, its position, its last position, the sampling key): written by the prefill and, for the
+    anchor and its position, by the verification that commits the same tokens; moved with their rows,
+    never read back. The drafts a row may still emit are derived from them, on either side, never
+    kept. Which rows are live the host sends with each draft's inputs (live_mask)."""
 
     requests: list[Request | None]
     anchor: torch.Tensor  # [rows]
     anchor_pos: torch.Tensor  # [rows]
+    last: torch.Tensor  # [rows] the position of the last token each row's request may commit
     request_ids: torch.Tensor  # [rows] the sampling key of each row's request
     written: list[int]  # per row: positions below this have the drafter's context K/V written
     version: int = 0  # bumped whenever a row changes hands (placed, freed, moved)
@@ -84,7 +91,7 @@ class Batch:
     @classmethod
     def empty(cls, rows: int, device) -> "Batch":
         z = functools.partial(torch.zeros, rows, dtype=torch.long, device=device)
-        return cls([None] * rows, z(), z(), z(), [0] * rows)
+        return cls([None] * rows, z(), z(), z(), z(), [0] * rows)
 
     @property
     def live(self) -> list[int]:
@@ -117,9 +124,9 @@ class Batch:
         valid = use and ahead is not None and (ahead.version, ahead.bucket) == (self.version, bucket)
         return ahead.draft if valid else None
 
-    def limits(self, b: int) -> list[int]:
-        """Drafts each of rows [0, b) can still use: its remaining tokens minus the bonus (0 if empty)."""
-        return [r.limit if r else 0 for r in self.requests[:b]]
+    def live_mask(self, b: int) -> list[bool]:
+        """Whether each of rows [0, b) holds a request."""
+        return [r is not None for r in self.requests[:b]]
 
     def usable(self, D: int) -> int:
         """Drafts the live rows can still emit: each row's limit, at most a block of D."""

@@ -284,7 +284,7 @@ class Engine:
             for _ in range(calls):
                 z = [torch.zeros(b, dtype=torch.long, device=self.device) for _ in range(3)]  # fresh: never aliased
                 if kind == "draft":
-                    drafts[b] = self.runner.draft(z[0], z[1], [0] * b, 0, StepPlan.neutral(len(self.policy.rhos)))
+                    drafts[b] = self.runner.draft(z[0], z[1], z[2], [False] * b, StepPlan.neutral(len(self.policy.rhos)))
                 elif K == 0:
                     fn(*z, None, None)
                 else:

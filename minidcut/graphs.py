@@ -34,27 +34,22 @@ REPLAYED = 3  # runs after which a compiled graph is compiled, recorded (reduce-
 
 
 class DraftInputs:
-    """The draft graph's host inputs, one vector [b + 2 + n_rho]: each row's limit [b] (drafts it can
-    still emit; 0 for an empty row), n_live, gain_scale, cost [n_rho] (the plan's seconds per rho)."""
+    """The draft graph's host inputs, one vector [b + 1 + n_rho]: which rows are live [b] (1 or 0),
+    gain_scale, cost [n_rho] (the plan's seconds per rho). What each row may still draft is not among
+    them: the graph derives it from the row's anchor position and its last position (Batch.last)."""
 
     @staticmethod
     def size(b: int, n_rho: int) -> int:
-        return b + 2 + n_rho
+        return b + 1 + n_rho
 
     @staticmethod
-    def pack(limit: list[int], n_live: int, plan: StepPlan) -> list[float]:
-        return list(limit) + [n_live, plan.gain_scale] + list(plan.cost)
-
-    @staticmethod
-    def limit(inputs: torch.Tensor, b: int) -> torch.Tensor:
-        """The limits' view [b] (a draft made ahead lowers them in place by what the rows committed)."""
-        return inputs[:b]
+    def pack(live: list[bool], plan: StepPlan) -> list[float]:
+        return [float(x) for x in live] + [plan.gain_scale] + list(plan.cost)
 
     @staticmethod
     def unpack(inputs: torch.Tensor, b: int):
-        """-> limit [b] (long), n_live, gain_scale, cost [n_rho]."""
-        return inputs[:b].long(), inputs[b], inputs[b + 1], inputs[b + 2 :]
-
+        """-> live [b] (0/1), gain_scale, cost [n_rho]."""
+        return inputs[:b], inputs[b], inputs[b + 1 :]
 
 
 def longest_row(block: int, K: int) -> int:
@@ -161,7 +156,7 @@ class Graphs:
         seconds of a compiled graph's first run (its compiling) go to self.compile_seconds[key]. The
         optional span is always passed (None if not given): a compiled graph called with another number
         of arguments would compile again."""
-        n = 4 if key[0] == "draft" else 6
+        n = 5 if key[0] == "draft" else 6
 
         def run(*args):
             if self.compile and self.calls[key] < REPLAYED:
@@ -175,13 +170,16 @@ class Graphs:
             return out
         return run
 
-    def draft(self, anchor, anchor_pos, inputs, span=None):
+    def draft(self, anchor, anchor_pos, last, inputs, span=None):
         """Draft one block per row and run the D-cut selector for every rho of the grid.
-        anchor, anchor_pos [b]; inputs [b + 2 + n_rho] (DraftInputs); span: cache positions read (None:
-        all) -> drafts [b, D], keep_len [n_rho, b], expected accepted drafts [n_rho], log prefix scores
-        [b, D], [rho index, its expected accepted drafts] [2]."""
+        anchor, anchor_pos, last [b] (last: the position of the last token each row may commit);
+        inputs [b + 1 + n_rho] (DraftInputs); span: cache positions read (None: all) -> drafts [b, D],
+        keep_len [n_rho, b], expected accepted drafts [n_rho], log prefix scores [b, D], [rho index, its
+        expected accepted drafts] [2]."""
         b = anchor.shape[0]
-        limit, n_live, gain_scale, cost = DraftInputs.unpack(inputs, b)
+        live, gain_scale, cost = DraftInputs.unpack(inputs, b)
+        n_live = live.sum()
+        limit = (last - anchor_pos - 1).clamp(min=0) * live.long()  # [b] drafts each row may still emit
         logits = self.drafter(self.target, anchor, anchor_pos, span)  # [b, D, V]
         # The greedy drafts and their softmax probabilities [b, D]: one fused softmax pass, then max.
         conf, idx = torch.softmax(logits.float(), dim=-1).max(dim=-1)

@@ -55,19 +55,19 @@ def nondecreasing(xs: list[float]) -> list[float]:
     return [s / n for s, n in blocks for _ in range(n)]
 
 
-def timed_step(engine, anchor, anchor_pos, ids, limit: list[int], n_live: int, ri: int, reach: int):
+def timed_step(engine, anchor, anchor_pos, last, ids, live: list[bool], ri: int, reach: int):
     """Seconds of one step at the grid's rho index ri on rows [0, b) that advances nothing
     (runner.Runner.dry_step), its Draft (None for K = 0) and its committed tokens per row n_commit [b];
     reach: one past the furthest live anchor (the attention span follows it)."""
     if anchor.device.type == "cuda":
         torch.cuda.synchronize(anchor.device)
     t0 = time.perf_counter()
-    draft, n_commit = engine.runner.dry_step(anchor, anchor_pos, ids, limit, n_live, ri, reach)
+    draft, n_commit = engine.runner.dry_step(anchor, anchor_pos, last, ids, live, ri, reach)
     return time.perf_counter() - t0, draft, n_commit
 
 
 @torch.inference_mode()
-def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[int], reach: int, repeats: int = 1,
+def measure_live(engine, anchor, anchor_pos, last, ids, live: list[int], reach: int, repeats: int = 1,
                  on_step=None) -> tuple[list[float], list[int], list[tuple[float, float, int]]]:
     """The cost row [n_rho] of bucket b = len(anchor) measured on these live rows (module docstring):
     per rho one untimed step unless its graphs already replay, then the median of `repeats` timed steps,
@@ -77,6 +77,7 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
     over the live rows (their indices): real acceptance the policy can learn from. reach: one past
     the furthest live anchor. on_step(b, rho) after every step."""
     b, rhos, policy, n_live = anchor.shape[0], engine.policy.rhos, engine.policy, len(live)
+    mask = [i in live for i in range(b)]
     Ks = engine.runner.budgets(b)
     seen, samples = [], [0] * len(rhos)
 
@@ -84,10 +85,10 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
         runs = engine.runner.runs(b, Ks[ri])  # compiled: run until it replays; eager: once, to allocate
         warm = max(run, REPLAYED - runs if engine.compile else int(runs == 0))
         for _ in range(warm):
-            timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri, reach)
+            timed_step(engine, anchor, anchor_pos, last, ids, mask, ri, reach)
         steps = []
         while len(steps) < repeats or (len(steps) < LIVE_SAMPLES and sum(s[0] for s in steps) < LIVE_SECONDS):
-            steps.append(timed_step(engine, anchor, anchor_pos, ids, limit, n_live, ri, reach))
+            steps.append(timed_step(engine, anchor, anchor_pos, last, ids, mask, ri, reach))
         _, draft, n_commit = steps[-1]
         if draft is not None:
             seen.append((rhos[ri], float(draft.gain[ri]), int(n_commit[live].sum()) - len(live)))
@@ -102,7 +103,7 @@ def measure_live(engine, anchor, anchor_pos, ids, limit: list[int], live: list[i
         row[ri] = cell(ri)
     if not drafting:
         return row, samples, seen
-    gain = engine.runner.draft(anchor, anchor_pos, limit, n_live, StepPlan.neutral(len(rhos)),
+    gain = engine.runner.draft(anchor, anchor_pos, last, mask, StepPlan.neutral(len(rhos)),
                                engine.runner.draft_span(reach)).gain.tolist()
     scale = torch.tensor(policy.calibration.gain_scale)
     rate = [float(policy.committed(torch.tensor(g), torch.tensor(float(n_live)), scale)) for g in gain]
@@ -145,8 +146,8 @@ def measure_row(engine, batch, b: int) -> tuple[list[float], list[int], list[Ste
     they are not the loop's; marked timed: the skip decision waits for the loop's own steps)."""
     engine.runner.catch_up_batch(batch)  # drafting steps need the drafter's whole context
     rows = batch.live
-    row, samples, seen = measure_live(engine, batch.anchor[:b], batch.anchor_pos[:b], batch.request_ids[:b],
-                                      batch.limits(b), rows, batch.reach, on_step=engine.on_measure)
+    row, samples, seen = measure_live(engine, batch.anchor[:b], batch.anchor_pos[:b], batch.last[:b],
+                                      batch.request_ids[:b], rows, batch.reach, on_step=engine.on_measure)
     usable = batch.usable(engine.D)
     return row, samples, [StepRecord(bucket=b, n_live=len(rows), drafted=True, rho=rho, predicted=predicted,
                                      accepted=accepted, usable=usable, timed=True) for rho, predicted, accepted in seen]
@@ -164,11 +165,12 @@ def time_steps(engine, B: int, context_len: int, repeats: int = 10, warmup: int 
     prompts = torch.randint(0, V, (B, context_len), generator=gen).tolist()
     anchor = engine.runner.prefill(list(range(B)), [Request(i, p, 1) for i, p in enumerate(prompts)])
     anchor_pos = torch.full((B,), context_len, dtype=torch.long, device=dev)
+    last = anchor_pos + D + 1  # every row may draft a whole block
     ids = torch.arange(B, device=dev)
     rhos = engine.policy.rhos
 
     def step(ri: int) -> float:
-        seconds = timed_step(engine, anchor, anchor_pos, ids, [D] * B, B, ri, context_len + 1)[0]
+        seconds = timed_step(engine, anchor, anchor_pos, last, ids, [True] * B, ri, context_len + 1)[0]
         if on_step is not None:
             on_step(rhos[ri])
         return seconds

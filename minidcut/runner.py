@@ -8,8 +8,9 @@ the rows a compaction moves, the positions a catch-up writes), and one to the ho
 more, on its pick. An admission's prefill is one copy each way of its own.
 
 The draft made ahead. A drafting step that is not a probe drafts the next step's block right after its
-verification (Runner.verify, ahead=True). It reuses this step's draft inputs on the device, its plan's
-gain scale and costs, with each row's limit lowered by what the row committed: the next step's rho* is
+verification (Runner.verify, ahead=True). It reuses this step's draft inputs on the device (the live
+rows, its plan's gain scale and costs) at the anchors the verification just moved on, so each row's
+limit is what the row has left after its commit: the next step's rho* is
 chosen with this step's calibration and costs (one step of lag), and its pick crosses to the host with
 this step's tokens. It is kept as batch.ahead and used by the next step unless a row changed hands or
 the bucket changed (Batch.take_ahead).
@@ -42,7 +43,7 @@ SPAN_STEP = 16  # eager steps read the cache in multiples of this many positions
 class Sent:
     """What a step sent to the device in its one copy (None: nothing of that kind)."""
 
-    draft_inputs: torch.Tensor | None = None  # DraftInputs [b + 2 + n_rho]
+    draft_inputs: torch.Tensor | None = None  # DraftInputs [b + 1 + n_rho]
     caught_up: int = 0  # positions whose drafter context the catch-up wrote
     catchup_seconds: float = 0.0
 
@@ -103,7 +104,7 @@ class Runner:
         one it drafts ahead; plan None: the step does not draft), the rows a compaction moved, and the
         positions whose drafter context was skipped (they are caught up before a draft). Applies the
         moves and the catch-up."""
-        inputs = self.staging.put(DraftInputs.pack(batch.limits(b), len(batch.live), plan), fixed=True) \
+        inputs = self.staging.put(DraftInputs.pack(batch.live_mask(b), plan), fixed=True) \
             if plan is not None else None
         rows = self.staging.put(moved) if moved else None
         behind = batch.behind() if plan is not None else []
@@ -118,14 +119,15 @@ class Runner:
 
     def move_rows(self, batch: Batch, sent: torch.Tensor) -> None:
         """Copy the device state of moved rows: sent [src rows + dst rows] (Engine.compact) on the device.
-        The rows' anchors and target and drafter cache rows (K/V and held taps) go from src to dst."""
+        The rows' anchors, last positions and target and drafter cache rows (K/V and held taps) go from
+        src to dst."""
         s, d = sent.long().chunk(2)
         caches = list(self.target.caches) + (list(self.drafter.caches) if self.drafter is not None else [])
         for c in caches:
             c.k[d], c.v[d] = c.k[s], c.v[s]
         if self.drafter is not None:
             self.drafter.held_taps[d] = self.drafter.held_taps[s]
-        for t in (batch.anchor, batch.anchor_pos, batch.request_ids):
+        for t in (batch.anchor, batch.anchor_pos, batch.last, batch.request_ids):
             t[d] = t[s]
 
     def catch_up(self, sent: torch.Tensor) -> float:
@@ -158,7 +160,8 @@ class Runner:
         t0 = time.perf_counter()
         fresh = plan.draft and draft is None
         if fresh:  # rows changed hands: draft + select + rho* now
-            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], sent.draft_inputs, self.draft_span(reach))
+            draft = self.run_draft(batch.anchor[:b], batch.anchor_pos[:b], batch.last[:b], sent.draft_inputs,
+                                   self.draft_span(reach))
         K = self.graphs.budgets(b)[draft.rho_index] if draft is not None else 0
         t1 = time.perf_counter()
         (commit, n_commit, kept), made, ahead = self.verify(batch, b, draft, K, reach, ahead=plan.draft and plan.ahead)
@@ -185,10 +188,10 @@ class Runner:
         keys = [("verify", b, K, K > 0)] + ([("draft", b, 0, True)] if K else [])
         return min(self.graphs.calls[k] for k in keys)
 
-    def dry_step(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ids: torch.Tensor, limit: list[int],
-                 n_live: int, ri: int, reach: int) -> tuple[Draft | None, torch.Tensor]:
-        """A step at the grid's rho index ri on rows [0, b) (anchor, anchor_pos, ids [b]) that advances
-        nothing: a fresh draft (none if K(rho) = 0) and the verification of its budget, its tokens copied
+    def dry_step(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, last: torch.Tensor, ids: torch.Tensor,
+                 live: list[bool], ri: int, reach: int) -> tuple[Draft | None, torch.Tensor]:
+        """A step at the grid's rho index ri on rows [0, b) (anchor, anchor_pos, last, ids [b]; live [b])
+        that advances nothing: a fresh draft (none if K(rho) = 0) and the verification of its budget, its tokens copied
         to the host as a step's are. What it writes into the caches lies at or past each row's anchor,
         which the next real step writes again. Returns the draft and each row's committed tokens [b]."""
         b = anchor.shape[0]
@@ -198,25 +201,26 @@ class Runner:
             commit, n_commit = self.graphs.get("verify", b, 0, write=False)(anchor, anchor_pos, ids, None, None, span)[:2]
         else:
             plan = StepPlan.neutral(len(self.graphs.policy.rhos))
-            draft = self.draft(anchor, anchor_pos, limit, n_live, plan, self.draft_span(reach))  # syncs on rho*
+            draft = self.draft(anchor, anchor_pos, last, live, plan, self.draft_span(reach))  # syncs on rho*
             commit, n_commit = self.graphs.get("verify", b, K)(anchor, anchor_pos, ids, draft.drafts, draft.keep_lens[ri],
                                                                span)[:2]
         return draft, torch.cat([commit, n_commit[:, None]], dim=1).cpu()[:, -1]
 
     # ---- draft and verify ------------------------------------------------------------------------
 
-    def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, limit: list[int], n_live: int,
+    def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, last: torch.Tensor, live: list[bool],
               plan: StepPlan, span: int | None = None) -> Draft:
         """A fresh draft at bucket b = len(anchor) with its own copy of the inputs (the profiler, warmup):
-        limit: drafts each row can still use (0 for an empty row). Syncs once: rho* picks the verify graph."""
-        staged = self.staging.put(DraftInputs.pack(limit, n_live, plan), fixed=True)
+        last [b]: the position of the last token each row may commit; live [b]: which rows hold a
+        request. Syncs once: rho* picks the verify graph."""
+        staged = self.staging.put(DraftInputs.pack(live, plan), fixed=True)
         self.staging.send()
-        return self.run_draft(anchor, anchor_pos, staged.device, span)
+        return self.run_draft(anchor, anchor_pos, last, staged.device, span)
 
-    def run_draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, inputs: torch.Tensor,
+    def run_draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, last: torch.Tensor, inputs: torch.Tensor,
                   span: int | None = None) -> Draft:
         """The draft graph on inputs already on the device (DraftInputs); syncs on the pick."""
-        out = self.graphs.get("draft", anchor.shape[0])(anchor, anchor_pos, inputs, span)
+        out = self.graphs.get("draft", anchor.shape[0])(anchor, anchor_pos, last, inputs, span)
         return Draft.from_graph(out, out[4].cpu())  # [rho index, its gain]: the host sync of this draft
 
     def verify(self, batch: Batch, b: int, draft: Draft | None, K: int, reach: int, ahead: bool):
@@ -234,13 +238,11 @@ class Runner:
         kept = keep_len if K else torch.zeros_like(n_commit)
         host = torch.cat([commit, n_commit[:, None], kept[:, None]], dim=1)  # [b, block + 2]
         drafting = Interval(self.device)
-        if ahead:  # the next draft: this step's inputs, each row's limit less what it commits
+        if ahead:  # the next draft: this step's inputs, from the anchors it just moved on
             drafting.start()
             inputs = self.staging.fixed_inputs(DraftInputs.size(b, len(self.graphs.policy.rhos)))
-            limit = DraftInputs.limit(inputs, b)
-            limit.copy_((limit - n_commit).clamp(min=0))  # in place, on the device
             advance = longest_row(self.block, K)  # an anchor moves on at most this far
-            out = self.graphs.get("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], inputs,
+            out = self.graphs.get("draft", b)(batch.anchor[:b], batch.anchor_pos[:b], batch.last[:b], inputs,
                                               self.draft_span(reach + advance))
             host = torch.cat([host.double().flatten(), out[4].double()])  # token ids < 2^53: exact
             drafting.stop()
@@ -263,9 +265,9 @@ class Runner:
         layout, last = prefill_layout(rows, lengths)
         parts = [self.staging.put(part) for part in (
             layout.row, layout.pos, layout.slot, last, [t for r in requests for t in r.prompt], rows, lengths,
-            [r.index for r in requests])]
+            [r.index for r in requests], [r.last_pos for r in requests])]
         self.staging.send()
-        row, pos, slot, last, tokens, idx, lengths, ids = (p.device.long() for p in parts)
+        row, pos, slot, last, tokens, idx, lengths, ids, last_pos = (p.device.long() for p in parts)
         layout = dataclasses.replace(layout, row=row, pos=pos, slot=slot)
         logits, taps = self.target(tokens, layout, logits_idx=last, taps=self.graphs.taps)
         self.prompt_context = Interval(self.device)  # read once the first tokens reached the host
@@ -276,5 +278,6 @@ class Runner:
         first = sample(logits, self.temperature, self.top_p, sample_keys(self.seed, ids, lengths))
         if batch is not None:
             batch.anchor[idx], batch.anchor_pos[idx], batch.request_ids[idx] = first, lengths, ids
+            batch.last[idx] = last_pos
             batch.place(rows, requests, written=write)
         return first

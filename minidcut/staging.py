@@ -1,5 +1,5 @@
 """Host -> device inputs in one copy. Everything a step (or a prefill) builds on the host, such as the
-draft graph's limits and costs, the rows a compaction moves, the positions a catch-up writes, or a
+draft graph's live rows and costs, the rows a compaction moves, the positions a catch-up writes, or a
 prompt's tokens and layout, is written into one host buffer and sent together: a single copy, non_blocking
 from pinned memory on CUDA.
 

@@ -219,10 +219,10 @@ def test_a_live_row_stops_only_where_full_acceptance_could_not_win(pair, monkeyp
     target, drafter, _ = pair
     engine = Engine(target, drafter, Policy.dcut(CostTable([2], RHOS, [[1.0] * 5]), RHOS), batch_size=1,
                     max_seq=64, eos_ids=[], compile=False)
-    monkeypatch.setattr(profiler, "timed_step", lambda e, a, p, i, limit, n, ri, reach: (costs[ri], None, torch.ones(1)))
+    monkeypatch.setattr(profiler, "timed_step", lambda e, a, p, last, i, live, ri, reach: (costs[ri], None, torch.ones(1)))
     monkeypatch.setattr(engine.runner, "draft", lambda *a, **k: SimpleNamespace(gain=torch.full((5,), 0.01)))
     z = torch.zeros(1, dtype=torch.long)
-    row, _, _ = profiler.measure_live(engine, z, z + 3, z, [limit], [0], reach=4)
+    row, _, _ = profiler.measure_live(engine, z, z + 3, z + 4 + limit, z, [0], reach=4)
     assert sum(not math.isinf(x) for x in row) == measured
     assert row[:measured] == costs[:measured]
 
@@ -240,13 +240,13 @@ def test_the_ar_entry_is_timed_last_after_a_run_of_untimed_ar_steps(pair, monkey
                     max_seq=64, eos_ids=[], compile=False)
     order, ar = [], iter(8.0 - i for i in range(40))
 
-    def timed(e, a, p, i, limit, n, ri, reach):
+    def timed(e, a, p, last, i, live, ri, reach):
         order.append(ri)
         return (next(ar) if ri == 0 else 2.0 + ri) / 1000, None, torch.ones(1)
     monkeypatch.setattr(profiler, "timed_step", timed)
     monkeypatch.setattr(engine.runner, "draft", lambda *a, **k: SimpleNamespace(gain=torch.full((5,), 0.01)))
     z = torch.zeros(1, dtype=torch.long)
-    row, samples, _ = profiler.measure_live(engine, z, z + 3, z, [15], [0], reach=4)
+    row, samples, _ = profiler.measure_live(engine, z, z + 3, z + 19, z, [0], reach=4)
     first = order.index(1)  # the AR cell first: an untimed step, then LIVE_SAMPLES timed
     assert order[:first] == [0] * (1 + profiler.LIVE_SAMPLES)
     last = len(order) - 1 - order[::-1].index(4)
@@ -269,7 +269,7 @@ def test_a_row_measured_on_rows_at_their_end_teaches_the_skip_controller_nothing
     engine = Engine(target, drafter, policy, batch_size=2, max_seq=64, eos_ids=[], compile=False)
     batch = Batch.empty(2, engine.device)
     engine.runner.prefill([0, 1], Request.checked([[3, 4, 5], [6, 7]], 1, target.cfg.vocab_size, 16, 64), batch)
-    assert batch.limits(2) == [0, 0] and batch.usable(engine.D) == 0
+    assert [r.limit for r in batch.requests] == [0, 0] and batch.usable(engine.D) == 0
     assert engine.measure_missing_row(batch, 2, [], Stats(), StepClock()) == []  # measured, as a step would
     skip = policy.skip(2)
     assert policy.table.row(2, RHOS) is not None and skip.possible

@@ -282,7 +282,7 @@ def test_a_drafts_tensors_stay_unchanged_while_verify_graphs_run(dcut_engine):
     g = torch.Generator().manual_seed(3)
     anchor = torch.randint(0, V, (B,), generator=g).to(DEVICE)
     anchor_pos = torch.tensor([20, 33], device=DEVICE)
-    draft = engine.runner.draft(anchor, anchor_pos, [engine.D] * B, B, engine.policy.plan(B))
+    draft = engine.runner.draft(anchor, anchor_pos, anchor_pos + engine.D + 1, [True] * B, engine.policy.plan(B))
     before = [t.clone() for t in (draft.drafts, draft.keep_lens, draft.gain, draft.log_s)]
     ids = torch.arange(B, device=DEVICE)
     for ri, K in enumerate(engine.runner.graphs.budgets(B)):

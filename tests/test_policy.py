@@ -91,7 +91,7 @@ def test_rho_star_as_the_engine_composes_it(tmp_path, gain, expected):
                     compile=False)
     policy.calibration.gain_scale = 0.5
     z = torch.zeros(2, dtype=torch.long)
-    draft = engine.runner.draft(z, z + 3, [15, 15], 2, policy.plan(2))
+    draft = engine.runner.draft(z, z + 3, z + 19, [True, True], policy.plan(2))
     assert policy.rhos[draft.rho_index] == expected
     # The same decision by hand: argmax (scale * gain + anchors) / cost.
     g = dcut.select(torch.full((2, 15), 0.7), torch.full((2,), 15), engine.runner.graphs.budgets(2)).gains

@@ -1,6 +1,6 @@
 """Host <-> device traffic of a decode step (engine.py, module docstring), counted on a CPU. In the
 steady state every step makes one device-to-host copy, and a drafting step one host-to-device copy:
-its plan's inputs (gain scale, costs, limits) go over before its verification, the next step's draft
+its plan's inputs (live rows, gain scale, costs) go over before its verification, the next step's draft
 made right after it picks rho* with them, and that pick (rho index and gain) crosses back with this
 step's tokens; an AR step's tokens alone, with nothing sent. A step whose rows changed drafts afresh:
 its inputs go over in one copy (the staging buffer) and its pick comes back in one more. Counted
@@ -20,6 +20,7 @@ import torch
 from minidcut.batch import Batch, Request
 from minidcut.cost_model import CostTable
 from minidcut.engine import Engine
+from minidcut.graphs import DraftInputs
 from minidcut.loader import load_drafter, load_target
 from minidcut.policy import Policy
 from minidcut.stats import Stats
@@ -69,7 +70,7 @@ def test_the_crossing_counter_sees_every_kind_of_crossing():
 def count_per_step(engine, prompts, lengths, calls=("prefill", "run_draft")):
     """Run the engine step by step under a Crossings counter; [(record, d2h, h2d, runner calls)] per
     step, the tokens checked against AR's. After every step the device's per-row state (anchor, its
-    position, the sampling key) is what the host's requests say: the host owns the tokens, the device
+    position, its last position, the sampling key) is what the host's requests say: the host owns the tokens, the device
     holds a copy the graphs advance (batch.Batch)."""
     target = engine.target
     requests = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
@@ -83,8 +84,9 @@ def count_per_step(engine, prompts, lengths, calls=("prefill", "run_draft")):
             seen.clear(), c.d2h.clear(), c.h2d.clear()
             rec = engine.step(batch, pending, stats)
             per_step.append((rec, sum(c.d2h.values()), sum(c.h2d.values()), dict(seen)))
-            held = [(int(batch.anchor[i]), int(batch.anchor_pos[i]), int(batch.request_ids[i])) for i in batch.live]
-            assert held == [((r.prompt + r.output)[-1], r.anchor_pos, r.index)  # (read after the count)
+            held = [(int(batch.anchor[i]), int(batch.anchor_pos[i]), int(batch.last[i]), int(batch.request_ids[i]))
+                    for i in batch.live]
+            assert held == [((r.prompt + r.output)[-1], r.anchor_pos, r.last_pos, r.index)  # (read after the count)
                             for r in (batch.requests[i] for i in batch.live)]
     ar = Engine(target, None, Policy.ar(), batch_size=engine.batch_size, max_seq=engine.max_seq, eos_ids=[], compile=False)
     assert [r.output for r in requests] == [ar.generate([p], n)[0][0] for p, n in zip(prompts, lengths)]
@@ -202,10 +204,11 @@ def test_a_draft_made_ahead_picks_rho_with_the_policys_latest_plan(tmp_path):
         fn = real_graph(kind, b, *a, **k)
         if kind != "draft":
             return fn
-        n_rho = len(GRID)
-        return lambda anchor, pos, inputs, *rest: (read.append((len(plans), inputs[b + 1].item(),
-                                                                 inputs[b + 2: b + 2 + n_rho].tolist())),
-                                                   fn(anchor, pos, inputs, *rest))[1]
+        def draft(anchor, pos, last, inputs, *rest):
+            _, gain_scale, cost = DraftInputs.unpack(inputs, b)
+            read.append((len(plans), gain_scale.item(), cost.tolist()))
+            return fn(anchor, pos, last, inputs, *rest)
+        return draft
     engine.runner.graphs.get = graph
     engine.generate([[3, 5, 7, 9, 11], [4, 6, 8, 10, 12]], 48)
     assert len(read) > 6 and len({(g, tuple(c)) for _, g, c in read}) > 2  # the plans moved

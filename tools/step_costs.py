@@ -57,13 +57,14 @@ def parts(engine: Engine, B: int, context_len: int) -> dict:
     conf = torch.softmax(logits.float(), -1).max(-1).values
     Ks = engine.runner.budgets(B)
     plan = engine.policy.plan(B)
-    draft = engine.runner.draft(anchor, pos, [D] * B, B, plan)
+    last = pos + D + 1  # every row may draft a whole block
+    draft = engine.runner.draft(anchor, pos, last, [True] * B, plan)
     out = {"AR step (verify K=0)": lambda: engine.runner.graph("verify", B, 0, write=False)(anchor, pos, ids, None, None),
            "drafter forward": lambda: drafter(target, anchor, pos),
            "  of it: lm_head on B*D rows": lambda: linear(h, drafter.head),
            "softmax + max over V (or V')": lambda: torch.softmax(logits.float(), -1).max(-1),
            "selector (scores, keep_len, gains)": lambda: dcut.select(conf, torch.full((B,), D), Ks),
-           "draft graph (all of the above + rho*)": lambda: engine.runner.draft(anchor, pos, [D] * B, B, plan)}
+           "draft graph (all of the above + rho*)": lambda: engine.runner.draft(anchor, pos, last, [True] * B, plan)}
     for ri, (rho, K) in enumerate(zip(engine.policy.rhos, Ks)):
         if K:
             out[f"verify rho={rho:g} (T={B + K})"] = (lambda ri=ri, K=K: engine.runner.graph("verify", B, K)(
