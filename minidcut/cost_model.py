@@ -29,7 +29,7 @@ import torch
 from .runtime import write_atomically
 
 TABLE_DIR = Path(__file__).resolve().parent.parent / "compile_cache" / "cost_tables"
-# METHOD 7: the AR entry timed in a run of AR steps, the skip evidence's lumps kept apart; 6: the skip decision is a confidence bound (skipping.Evidence); 5: skip states learned from rows at their ends are not reused; 4: a step that does not draft runs
+# METHOD 7: the AR entry timed in a run of AR steps, the skip evidence's lumps kept apart; 6: the skip decision is a confidence bound; 5: skip states learned from rows at their ends are not reused; 4: a step that does not draft runs
 # no fc; 3: a row prunes by full rows; 2: by the rows measured on
 METHOD = 7
 MEMORY = 20  # a refined entry is the mean of its last ~20 steps' seconds

@@ -3,7 +3,7 @@
 Per bucket the run stepped at, as the batch drained: its steps, how many drafted and which rho each
 chose. For the bucket the run spent most steps at: what the cost table says a drafting step costs there
 in AR steps (the tokens per request it must commit to pay), what the drafting steps were predicted to
-accept against what they did, and whether drafting is now on or off there, with the evidence.
+accept against what they did, and whether drafting is now on or off there, with its scores.
 """
 
 from __future__ import annotations
@@ -53,18 +53,17 @@ def explain(stats: Stats, policy, table_file=None) -> list[str]:
                          "commits more per second than an AR step")
         elif skip.state == "off":
             cheapest = min(c for r, c in skip.cost.items() if r > 0) / skip.cost[0.0]
-            ev = skip.evidence
-            lines.append(f"drafting is off at bucket {b}: its drafting steps "
-                         f"committed {1 + skip.usual_accepted:.2f} tokens per request per step, where the cheapest "
-                         f"costs {cheapest:.1f} AR steps (gain over AR steps {skip.gain:+.2f} tokens per request per "
-                         f"step over ~{ev.n:.0f} steps, {CONFIDENCE:.0%} sure it is below zero); a probe checks "
-                         f"again every {skip.probe_period()} steps or more (the more drafter context it must catch "
-                         "up, the later)")
+            probes = skip.scores
+            lines.append(f"drafting is off at bucket {b}: its steps committed fewer tokens per second than AR "
+                         f"steps ({CONFIDENCE:.0%} sure), where the cheapest costs {cheapest:.1f} AR steps; a probe "
+                         f"checks again after {skip.probe_period()} AR steps or more (the more drafter context it "
+                         "must catch up, the later)" + (f"; the probes since score {probes.mean:+.2f} tokens per "
+                                                        "request per step over AR steps" if probes.n else ""))
         else:
-            ev = skip.evidence
+            ev = skip.scores
             lines.append(f"drafting is on at bucket {b}" + (
-                f": gain over AR steps {skip.gain:+.2f} tokens per request per step over ~{ev.n:.0f} steps, not "
-                f"{CONFIDENCE:.0%} sure it is below zero" if ev.n >= 1.5 else ""))
+                f": its steps score {ev.mean:+.2f} tokens per request per step over AR steps (~{ev.n:.0f} "
+                f"steps), not {CONFIDENCE:.0%} sure it loses" if ev.n >= 1.5 else ""))
     for bucket, left in sorted(stats.unmeasured.items()):
         lines.append(f"bucket {bucket} ran AR steps without a cost row: its rows had at most {left} steps left, "
                      "fewer AR steps' time than measuring its row takes")

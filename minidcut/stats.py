@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +25,45 @@ class DecayedRatio:
 
     def ratio(self, default: float = 0.0) -> float:
         return self.sums[0] / self.sums[1] if self.sums[1] > 0 else default
+
+
+class DecayedScores:
+    """Scores weighted decay ** age: their mean, effective count n = (sum w)^2 / sum w^2, and the
+    half-width of the mean's one-sided confidence bound (Student's t; infinite below two samples).
+    Its state is [sum w, sum w x, sum w x^2, sum w^2]."""
+
+    def __init__(self, decay: float, sums=(0.0, 0.0, 0.0, 0.0)):
+        self.decay, self.sums = decay, [float(v) for v in sums]
+        if len(self.sums) != 4:
+            raise ValueError("decayed scores' state is [sum w, sum w x, sum w x^2, sum w^2]")
+
+    def add(self, x: float) -> None:
+        d, (w, wx, wxx, ww) = self.decay, self.sums
+        self.sums = [d * w + 1.0, d * wx + x, d * wxx + x * x, d * d * ww + 1.0]
+
+    @property
+    def n(self) -> float:
+        return self.sums[0] ** 2 / self.sums[3] if self.sums[3] > 0 else 0.0
+
+    @property
+    def mean(self) -> float:
+        return self.sums[1] / self.sums[0] if self.sums[0] > 0 else 0.0
+
+    def margin(self, confidence: float) -> float:
+        n = self.n
+        if n < 1.5:  # two samples weigh n = 1.9998
+            return math.inf
+        var = max(0.0, self.sums[2] / self.sums[0] - self.mean ** 2) * n / (n - 1)  # unbiased, reliability weights
+        return t_quantile(confidence, n - 1) * math.sqrt(var / n)
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile at probability p, df degrees of freedom: the Cornish-Fisher expansion around
+    the normal quantile z to 1 / df^3 (at p = 0.9: within 0.1 % of the exact value for df >= 3, 0.3 %
+    at df = 2, 4 % low at df = 1)."""
+    z = statistics.NormalDist().inv_cdf(p)
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
 
 
 class Interval:

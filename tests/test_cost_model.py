@@ -273,7 +273,7 @@ def test_a_row_measured_on_rows_at_their_end_teaches_the_skip_controller_nothing
     assert engine.measure_missing_row(batch, 2, [], Stats(), StepClock()) == []  # measured, as a step would
     skip = policy.skip(2)
     assert policy.table.row(2, RHOS) is not None and skip.possible
-    assert skip.state == "drafting" and skip.drafting_steps == 0 and skip.evidence.n == 0.0
+    assert skip.state == "drafting" and skip.drafting_steps == 0 and skip.scores.n == 0.0
 
 
 NULL_AR = json.dumps({"batch_sizes": [1], "rhos": RHOS, "seconds": [[None, 1.0, 1.1, 1.2, 1.3]]})
