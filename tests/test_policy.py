@@ -123,7 +123,7 @@ def test_hopeless_drafts_fall_back_to_ar():
     assert choose(steep_table(), 16, conf, skip_drafting=False) == 0.0
     # With it, the paid-for draft keeps the smallest budget, and the step counts as lost to AR.
     assert choose(steep_table(), 16, conf) == 0.25
-    assert skip(steep_table(), 16).score(drafting(16, 0.25, float(conf[:, 0].sum()))) < 0
+    assert skip(steep_table(), 16).score(drafting(16, 0.25, float(conf[:, 0].sum())))[0] < 0
 
 
 def test_a_drafting_step_prices_rho_zero_as_a_drafting_step_when_drafting_can_be_skipped():
@@ -237,7 +237,7 @@ def test_measured_step_seconds_refine_the_costs_that_decide_whether_drafting_pay
     twice the table's seconds, they no longer do ((25 + 16) / 4.0 < 16); when both kinds run twice as
     slow, they still do."""
     def pays(p):
-        return p.skip(16).score(drafting(16, 0.5, 25.0)) > 0
+        return p.skip(16).score(drafting(16, 0.5, 25.0))[0] > 0
     assert pays(policy_after(2.2))
     assert policy_after(4.4, ar_s=1.0).costs(16)[2] == pytest.approx((2.2 + 5 * 4.4) / 6)
     assert not pays(policy_after(4.4, ar_s=1.0))
